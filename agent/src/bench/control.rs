@@ -1,0 +1,140 @@
+//! The bench's control channel: JSON lines over TCP beside the data plane. The initiator asks the
+//! target to prepare pools, verify what it received, and to act as the raw-TCP ceiling.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+
+use kvfabric_engine::{RegionDesc, RegionId, SegmentDescriptor};
+use serde::{Deserialize, Serialize};
+
+use super::pattern::{Expectation, Verdict};
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum Request {
+    /// The target's segment descriptor.
+    Hello,
+    /// Register a pool of `bytes` filled block by block from `seed`.
+    Prepare {
+        bytes: u64,
+        block_size: u64,
+        seed: u64,
+    },
+    /// Check every byte of a pool against what the initiator wrote.
+    Verify {
+        region: RegionId,
+        expectation: Expectation,
+    },
+    Release {
+        region: RegionId,
+    },
+    /// Ceiling: read and drop a raw stream until EOF, then report the bytes.
+    Sink,
+    /// Ceiling: write a raw stream until the initiator hangs up.
+    Source,
+    /// Ceiling: answer each 32-byte request with `size` bytes.
+    PingPong {
+        size: u64,
+    },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    Segment {
+        descriptor: SegmentDescriptor,
+    },
+    Prepared {
+        descriptor: SegmentDescriptor,
+        region: RegionDesc,
+    },
+    Verified {
+        verdict: Verdict,
+    },
+    Released,
+    Ready,
+    SinkDone {
+        bytes: u64,
+    },
+    Error {
+        message: String,
+    },
+}
+
+/// A blocking control connection (the bench's control calls are few and not on the data path).
+#[derive(Debug)]
+pub struct ControlClient {
+    addr: SocketAddr,
+    reader: BufReader<TcpStream>,
+}
+
+impl ControlClient {
+    pub fn connect(addr: SocketAddr) -> Result<Self> {
+        let stream = TcpStream::connect(addr)
+            .map_err(|e| Error::io(format!("connect control {addr}"), e))?;
+        Ok(ControlClient {
+            addr,
+            reader: BufReader::new(stream),
+        })
+    }
+
+    fn err(&self, reason: impl Into<String>) -> Error {
+        Error::Control {
+            peer: self.addr.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn call(&mut self, req: &Request) -> Result<Reply> {
+        let mut line = serde_json::to_vec(req).expect("request serializes");
+        line.push(b'\n');
+        self.reader
+            .get_mut()
+            .write_all(&line)
+            .map_err(|e| self.err(e.to_string()))?;
+        let mut answer = String::new();
+        let n = self
+            .reader
+            .read_line(&mut answer)
+            .map_err(|e| self.err(e.to_string()))?;
+        if n == 0 {
+            return Err(self.err("target closed the control connection"));
+        }
+        match serde_json::from_str(&answer) {
+            Ok(Reply::Error { message }) => Err(self.err(message)),
+            Ok(reply) => Ok(reply),
+            Err(e) => Err(self.err(format!("bad reply {answer:?}: {e}"))),
+        }
+    }
+
+    /// Opens a second connection for a raw-stream ceiling; returns it once the target is ready.
+    pub fn raw(addr: SocketAddr, req: &Request) -> Result<TcpStream> {
+        let mut s = TcpStream::connect(addr)
+            .map_err(|e| Error::io(format!("connect control {addr}"), e))?;
+        s.set_nodelay(true)
+            .map_err(|e| Error::io("TCP_NODELAY", e))?;
+        let mut line = serde_json::to_vec(req).expect("request serializes");
+        line.push(b'\n');
+        s.write_all(&line)
+            .map_err(|e| Error::io("send ceiling request", e))?;
+        // Read the reply byte by byte: nothing after the newline may be consumed.
+        let mut answer = Vec::new();
+        let mut b = [0u8; 1];
+        loop {
+            s.read_exact(&mut b)
+                .map_err(|e| Error::io("read ceiling reply", e))?;
+            if b[0] == b'\n' {
+                break;
+            }
+            answer.push(b[0]);
+        }
+        match serde_json::from_slice(&answer) {
+            Ok(Reply::Ready) => Ok(s),
+            other => Err(Error::Control {
+                peer: addr.to_string(),
+                reason: format!("expected ready, got {other:?}"),
+            }),
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! `kvfabric bench`: kvfabric against the ceiling of the same path, in the same run.
+
+mod ceiling;
+pub mod control;
+mod initiator;
+pub mod layout;
+pub mod pattern;
+mod report;
+mod server;
+mod stats;
+
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::time::Duration;
+
+use kvfabric_engine::{Engine, EngineConfig, Opcode};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+pub use initiator::RowPlan;
+pub use report::Row;
+
+use crate::cli::{BenchArgs, OpArg, TransportArg};
+use crate::error::{Error, Result};
+use initiator::Initiator;
+use layout::Layout;
+
+/// The single-block row: how long one 4 KiB pull takes, against a raw TCP ping-pong.
+const LATENCY_BLOCK: u64 = 4096;
+
+pub async fn run(args: BenchArgs) -> Result<()> {
+    if let Some(addr) = args.serve {
+        return server::run(&args, addr, crate::shutdown::signal()).await;
+    }
+    let layout = Layout {
+        args: args.layout.clone(),
+    };
+    let plans = plans(&args, &layout);
+    for p in &plans {
+        p.validate()?;
+    }
+    let engine = Engine::new(EngineConfig {
+        name: "bench-initiator".into(),
+        tcp_connections: args.connections,
+        ..EngineConfig::default()
+    })?;
+    if !args.json {
+        eprintln!("{}", layout.describe());
+    }
+    let (control, mut child) = match args.connect {
+        Some(addr) => (addr, None),
+        None => {
+            let (addr, child) = spawn_target(&args).await?;
+            (addr, Some(child))
+        }
+    };
+    let result = run_rows(engine, control, &plans, args.json).await;
+    if let Some(child) = child.as_mut() {
+        stop_target(child).await;
+    }
+    let rows = result?;
+    if !args.json {
+        println!("{}", report::table(&rows));
+    }
+    Ok(())
+}
+
+async fn run_rows(
+    engine: Engine,
+    control: SocketAddr,
+    plans: &[RowPlan],
+    json: bool,
+) -> Result<Vec<Row>> {
+    let mut initiator = Initiator::new(engine, control, json)?;
+    let mut rows = Vec::new();
+    for plan in plans {
+        let row = initiator.run_row(plan).await?;
+        if json {
+            println!("{}", serde_json::to_string(&row).expect("row serializes"));
+        }
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// The rows a run measures: the flags given, or the main job (tcp and shm, write and read, at
+/// the model's block size, plus the single-block latency row).
+pub fn plans(args: &BenchArgs, layout: &Layout) -> Vec<RowPlan> {
+    let transports = match args.transport {
+        Some(t) => vec![t],
+        None => vec![TransportArg::Tcp, TransportArg::Shm],
+    };
+    let ops = match args.op {
+        Some(OpArg::Read) => vec![Opcode::Read],
+        Some(OpArg::Write) => vec![Opcode::Write],
+        None => vec![Opcode::Write, Opcode::Read],
+    };
+    let base = RowPlan {
+        transport: TransportArg::Tcp,
+        op: Opcode::Read,
+        block_size: args.block_size.unwrap_or_else(|| layout.block_bytes()),
+        per_batch: args
+            .blocks_per_batch
+            .unwrap_or(layout.ops_per_request() as usize),
+        concurrency: args.concurrency,
+        pool_bytes: args.pool_bytes,
+        duration: args.duration,
+        checksum: args.checksum,
+        key: args.key,
+    };
+    let mut plans = Vec::new();
+    for &transport in &transports {
+        for &op in &ops {
+            plans.push(RowPlan {
+                transport,
+                op,
+                ..base.clone()
+            });
+        }
+    }
+    let default_shape = args.block_size.is_none() && args.blocks_per_batch.is_none();
+    if default_shape && !args.no_latency && transports.contains(&TransportArg::Tcp) {
+        plans.push(RowPlan {
+            transport: TransportArg::Tcp,
+            op: Opcode::Read,
+            block_size: LATENCY_BLOCK,
+            per_batch: 1,
+            concurrency: 1,
+            ..base
+        });
+    }
+    plans
+}
+
+/// Starts `kvfabric bench --serve 127.0.0.1:0` as a second process and learns its address.
+async fn spawn_target(args: &BenchArgs) -> Result<(SocketAddr, Child)> {
+    let exe = std::env::current_exe().map_err(|e| Error::io("locate own binary", e))?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["bench", "--serve", "127.0.0.1:0"])
+        .arg("--connections")
+        .arg(args.connections.to_string())
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    if let Some(key) = args.key {
+        cmd.arg("--key").arg(key.to_string());
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| Error::io("start bench target", e))?;
+    let stdout = child.stdout.take().expect("piped");
+    let mut line = String::new();
+    let read = tokio::time::timeout(
+        Duration::from_secs(30),
+        BufReader::new(stdout).read_line(&mut line),
+    )
+    .await;
+    let addr = match read {
+        Ok(Ok(n)) if n > 0 => serde_json::from_str::<serde_json::Value>(&line)
+            .ok()
+            .and_then(|v| v["control"].as_str().and_then(|s| s.parse().ok())),
+        _ => None,
+    };
+    match addr {
+        Some(addr) => Ok((addr, child)),
+        None => Err(Error::Control {
+            peer: "bench target".into(),
+            reason: format!("did not announce its address (got {line:?})"),
+        }),
+    }
+}
+
+async fn stop_target(child: &mut Child) {
+    if let Some(pid) = child
+        .id()
+        .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+    {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    if tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .is_err()
+    {
+        let _ = child.kill().await;
+    }
+}

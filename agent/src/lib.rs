@@ -1,0 +1,9 @@
+//! The kvfabric node agent and CLI.
+
+pub mod bench;
+pub mod bytesize;
+pub mod cli;
+mod error;
+pub mod shutdown;
+
+pub use error::{Error, Result};

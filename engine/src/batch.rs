@@ -1,0 +1,252 @@
+//! A batch: many block ops against one remote segment, submitted at once, completed once.
+
+use std::future::poll_fn;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Poll, Waker};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::op::{BlockOp, Opcode};
+use crate::region::Lease;
+use crate::transport::TransportKind;
+
+#[derive(Debug, Clone)]
+pub struct Batch {
+    pub opcode: Opcode,
+    pub ops: Vec<BlockOp>,
+    /// Overrides the engine's default batch timeout.
+    pub timeout: Option<Duration>,
+    /// Send a crc32c of every op's payload and verify it on arrival.
+    pub checksum: bool,
+}
+
+impl Batch {
+    pub fn new(opcode: Opcode, ops: Vec<BlockOp>) -> Self {
+        Batch {
+            opcode,
+            ops,
+            timeout: None,
+            checksum: false,
+        }
+    }
+    pub fn read(ops: Vec<BlockOp>) -> Self {
+        Batch::new(Opcode::Read, ops)
+    }
+    pub fn write(ops: Vec<BlockOp>) -> Self {
+        Batch::new(Opcode::Write, ops)
+    }
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+    pub fn with_checksum(mut self, on: bool) -> Self {
+        self.checksum = on;
+        self
+    }
+}
+
+/// What a completed batch did, including the transport that carried it.
+#[derive(Debug, Clone, Serialize)]
+pub struct BatchResult {
+    pub id: u64,
+    pub opcode: Opcode,
+    pub transport: TransportKind,
+    pub ops: usize,
+    pub coalesced_ops: usize,
+    pub bytes: u64,
+    pub elapsed: Duration,
+}
+
+/// Shared state of one in-flight batch. Transports hold it (and through it the local leases)
+/// until every piece they were given is accounted for, so deregistration can wait for it.
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub id: u64,
+    pub opcode: Opcode,
+    pub checksum: bool,
+    remaining: AtomicUsize,
+    bytes: AtomicU64,
+    cancelled: AtomicBool,
+    done: Mutex<Completion>,
+    done_cv: Condvar,
+    _leases: Vec<Lease>,
+}
+
+/// The batch outcome, waited for either by a blocked thread (condvar) or a task (waker).
+#[derive(Debug, Default)]
+struct Completion {
+    result: Option<Result<u64>>,
+    finished: bool,
+    waker: Option<Waker>,
+}
+
+impl Job {
+    pub(crate) fn new(id: u64, opcode: Opcode, checksum: bool, leases: Vec<Lease>) -> Arc<Job> {
+        Arc::new(Job {
+            id,
+            opcode,
+            checksum,
+            remaining: AtomicUsize::new(0),
+            bytes: AtomicU64::new(0),
+            cancelled: AtomicBool::new(false),
+            done: Mutex::default(),
+            done_cv: Condvar::new(),
+            _leases: leases,
+        })
+    }
+
+    /// Declares how many pieces the transport split the batch into.
+    pub(crate) fn expect_pieces(&self, n: usize) {
+        self.remaining.store(n, Ordering::Release);
+    }
+
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn piece_done(&self, bytes: u64) {
+        self.bytes.fetch_add(bytes, Ordering::AcqRel);
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let total = self.bytes.load(Ordering::Acquire);
+            self.finish(Ok(total));
+        }
+    }
+
+    pub(crate) fn piece_failed(&self, err: Error) {
+        self.fail(err);
+        self.remaining.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Completes the batch with an error now; pieces still on the wire are drained and dropped.
+    pub(crate) fn fail(&self, err: Error) {
+        self.cancelled.store(true, Ordering::Release);
+        self.finish(Err(err));
+    }
+
+    /// The first outcome wins; later ones (pieces draining after a failure) are dropped.
+    fn finish(&self, result: Result<u64>) {
+        let waker = {
+            let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+            if done.finished {
+                return;
+            }
+            done.finished = true;
+            done.result = Some(result);
+            done.waker.take()
+        };
+        self.done_cv.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    fn take_result(&self) -> Option<Result<u64>> {
+        self.done
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .result
+            .take()
+    }
+}
+
+/// The caller's side of a submitted batch.
+#[derive(Debug)]
+pub struct BatchHandle {
+    pub(crate) job: Arc<Job>,
+    pub(crate) timeout: Duration,
+    pub(crate) started: Instant,
+    pub(crate) transport: TransportKind,
+    pub(crate) ops: usize,
+    pub(crate) coalesced_ops: usize,
+}
+
+/// Cancels a batch from anywhere (another task, a signal handler).
+#[derive(Debug, Clone)]
+pub struct Canceller(Arc<Job>);
+
+impl Canceller {
+    pub fn cancel(&self) {
+        self.0.fail(Error::Cancelled { batch: self.0.id });
+    }
+}
+
+impl BatchHandle {
+    pub fn id(&self) -> u64 {
+        self.job.id
+    }
+
+    pub fn transport(&self) -> TransportKind {
+        self.transport
+    }
+
+    pub fn canceller(&self) -> Canceller {
+        Canceller(self.job.clone())
+    }
+
+    pub fn cancel(&self) {
+        self.canceller().cancel();
+    }
+
+    /// Waits for completion, failing with `Timeout` (and cancelling the batch) after the batch's
+    /// timeout.
+    pub async fn wait(self) -> Result<BatchResult> {
+        let job = self.job.clone();
+        let done = poll_fn(|cx| {
+            let mut done = job.done.lock().unwrap_or_else(|e| e.into_inner());
+            if done.finished {
+                Poll::Ready(())
+            } else {
+                done.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        });
+        let timed_out = tokio::time::timeout(self.timeout, done).await.is_err();
+        self.conclude(timed_out)
+    }
+
+    /// Blocks the calling thread until completion (for callers outside an async runtime, and for
+    /// the lowest latency: the completing thread wakes this one directly).
+    pub fn wait_blocking(self) -> Result<BatchResult> {
+        let deadline = Instant::now() + self.timeout;
+        let mut done = self.job.done.lock().unwrap_or_else(|e| e.into_inner());
+        let mut timed_out = false;
+        while !done.finished {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                timed_out = true;
+                break;
+            }
+            done = self
+                .job
+                .done_cv
+                .wait_timeout(done, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        drop(done);
+        self.conclude(timed_out)
+    }
+
+    fn conclude(self, timed_out: bool) -> Result<BatchResult> {
+        if timed_out {
+            // A no-op when the batch completed at the last moment: its own result stands.
+            self.job.fail(Error::Timeout {
+                batch: self.job.id,
+                millis: self.timeout.as_millis() as u64,
+            });
+        }
+        let bytes = self.job.take_result().unwrap_or(Err(Error::ShuttingDown))?;
+        Ok(BatchResult {
+            id: self.job.id,
+            opcode: self.job.opcode,
+            transport: self.transport,
+            ops: self.ops,
+            coalesced_ops: self.coalesced_ops,
+            bytes,
+            elapsed: self.started.elapsed(),
+        })
+    }
+}

@@ -1,0 +1,526 @@
+//! The engine: this process's regions, its data-plane servers, and its connections to peers.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::{Shutdown, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::batch::{Batch, BatchHandle, Job};
+use crate::error::{Error, Result, Side};
+use crate::frame::{Entry, Hello, PROTOCOL_VERSION};
+use crate::op;
+use crate::region::{Lease, Location, Region, RegionId};
+use crate::region_table::RegionTable;
+use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor, local_node_id};
+use crate::transport::select::{Preference, Selection, select};
+use crate::transport::shm::ShmLink;
+use crate::transport::tcp::{TcpLink, TcpOptions};
+use crate::transport::{Piece, Transport, TransportKind, TransportStats, shm_server, tcp_server};
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// This engine's segment name, as peers and the registry know it.
+    pub name: String,
+    /// When set, peers must present it in the handshake.
+    pub segment_key: Option<u64>,
+    /// Machine identity for locality (default: the kernel boot id).
+    pub node: String,
+    /// Data connections opened per tcp peer.
+    pub tcp_connections: usize,
+    /// A batch is cut into chunks of about this many bytes, spread over the connections.
+    pub chunk_bytes: u64,
+    /// Default time a batch may take before it fails with `Timeout`.
+    pub batch_timeout: Duration,
+    /// Threads copying for the shm transport.
+    pub shm_threads: usize,
+    /// Batches at least this large are copied by every shm thread at once.
+    pub shm_parallel_min: u64,
+    /// Most ops one batch may carry.
+    pub max_batch_ops: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        EngineConfig {
+            name: "kvfabric".into(),
+            segment_key: None,
+            node: local_node_id(),
+            tcp_connections: 4,
+            chunk_bytes: 4 << 20,
+            batch_timeout: Duration::from_secs(30),
+            shm_threads: cores.clamp(1, 8),
+            shm_parallel_min: 4 << 20,
+            max_batch_ops: 1 << 20,
+        }
+    }
+}
+
+impl EngineConfig {
+    fn validate(&self) -> Result<()> {
+        let bad = |field, value: String, reason| {
+            Err(Error::InvalidConfig {
+                field,
+                value,
+                reason,
+            })
+        };
+        if self.name.is_empty() {
+            return bad("name", String::new(), "must not be empty");
+        }
+        if !(1..=64).contains(&self.tcp_connections) {
+            return bad(
+                "tcp_connections",
+                self.tcp_connections.to_string(),
+                "must be 1..=64",
+            );
+        }
+        if self.chunk_bytes < 4096 {
+            return bad(
+                "chunk_bytes",
+                self.chunk_bytes.to_string(),
+                "must be >= 4096",
+            );
+        }
+        if !(1..=256).contains(&self.shm_threads) {
+            return bad(
+                "shm_threads",
+                self.shm_threads.to_string(),
+                "must be 1..=256",
+            );
+        }
+        if self.batch_timeout.is_zero() {
+            return bad("batch_timeout", "0".into(), "must be positive");
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) config: EngineConfig,
+    pub(crate) regions: RegionTable,
+    endpoints: RwLock<Endpoints>,
+    next_batch: AtomicU64,
+    shm_pool: Arc<rayon::ThreadPool>,
+}
+
+impl Inner {
+    pub(crate) fn descriptor(&self) -> SegmentDescriptor {
+        SegmentDescriptor {
+            version: DESCRIPTOR_VERSION,
+            name: self.config.name.clone(),
+            node: self.config.node.clone(),
+            regions: self.regions.descriptors(),
+            endpoints: self
+                .endpoints
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        }
+    }
+
+    fn hello(&self, remote: &SegmentDescriptor, key: Option<u64>) -> Hello {
+        Hello {
+            protocol: PROTOCOL_VERSION,
+            segment: remote.name.clone(),
+            key,
+            from: self.config.name.clone(),
+        }
+    }
+}
+
+/// A transfer engine. Cheap to clone; clones share everything.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl Engine {
+    pub fn new(config: EngineConfig) -> Result<Engine> {
+        config.validate()?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(config.shm_threads)
+            .thread_name(|i| format!("kvf-shm-{i}"))
+            .build()
+            .map_err(|e| Error::io("start shm copy pool", std::io::Error::other(e)))?;
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                config,
+                regions: RegionTable::default(),
+                endpoints: RwLock::default(),
+                next_batch: AtomicU64::new(1),
+                shm_pool: Arc::new(pool),
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// Allocates a host region in a memfd (page-aligned, zeroed, shareable with same-node peers).
+    pub fn alloc(&self, len: u64) -> Result<Arc<Region>> {
+        self.inner.regions.alloc(len)
+    }
+
+    /// Registers memory the caller owns.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid for reads and writes until [`Engine::deregister`] of the
+    /// returned region has completed.
+    pub unsafe fn register_ptr(
+        &self,
+        location: Location,
+        ptr: NonNull<u8>,
+        len: u64,
+    ) -> Result<Arc<Region>> {
+        // SAFETY: forwarded to our caller.
+        unsafe { self.inner.regions.register_ptr(location, ptr, len) }
+    }
+
+    pub fn region(&self, id: RegionId) -> Result<Arc<Region>> {
+        self.inner.regions.get(id, Side::Local)
+    }
+
+    /// Unpublishes a region at once and returns when no in-flight batch uses it any more.
+    pub async fn deregister(&self, id: RegionId) -> Result<()> {
+        self.inner.regions.deregister(id).await
+    }
+
+    /// What peers need to reach this engine.
+    pub fn descriptor(&self) -> SegmentDescriptor {
+        self.inner.descriptor()
+    }
+
+    /// Serves tcp data connections until `shutdown` resolves, then closes them all.
+    pub async fn serve_tcp(
+        &self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<()> {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("tcp listener address", e))?;
+        self.set_endpoint(|e| e.tcp = Some(addr));
+        info!(%addr, segment = %self.inner.config.name, "serving tcp data plane");
+        let live: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+        let mut next = 0u64;
+        tokio::pin!(shutdown);
+        loop {
+            let (stream, peer) = tokio::select! {
+                _ = &mut shutdown => break,
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => { warn!(error = %e, "tcp accept failed"); continue; }
+                },
+            };
+            let Ok(stream) = into_blocking_tcp(stream) else {
+                continue;
+            };
+            next += 1;
+            let id = next;
+            if let Ok(clone) = stream.try_clone() {
+                live.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id, clone);
+            }
+            let inner = self.inner.clone();
+            let live = live.clone();
+            let spawned = std::thread::Builder::new()
+                .name("kvf-tcp-serve".into())
+                .spawn(move || {
+                    tcp_server::serve_conn(inner, stream, peer.to_string());
+                    live.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                });
+            if let Err(e) = spawned {
+                warn!(error = %e, "cannot start tcp connection thread");
+            }
+        }
+        self.set_endpoint(|e| e.tcp = None);
+        for (_, s) in live.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        Ok(())
+    }
+
+    /// Serves same-node peers on a Unix socket until `shutdown` resolves.
+    pub async fn serve_shm(
+        &self,
+        listener: tokio::net::UnixListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<()> {
+        let path: PathBuf = listener
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_pathname().map(PathBuf::from))
+            .ok_or_else(|| Error::InvalidConfig {
+                field: "shm listener",
+                value: format!("{listener:?}"),
+                reason: "must be bound to a filesystem path",
+            })?;
+        self.set_endpoint(|e| e.shm = Some(path.clone()));
+        info!(path = %path.display(), "serving shm data plane");
+        let live: Arc<Mutex<HashMap<u64, UnixStream>>> = Arc::default();
+        let mut next = 0u64;
+        tokio::pin!(shutdown);
+        loop {
+            let stream = tokio::select! {
+                _ = &mut shutdown => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((s, _)) => s,
+                    Err(e) => { warn!(error = %e, "shm accept failed"); continue; }
+                },
+            };
+            let Ok(stream) = stream.into_std() else {
+                continue;
+            };
+            if stream.set_nonblocking(false).is_err() {
+                continue;
+            }
+            next += 1;
+            let id = next;
+            if let Ok(clone) = stream.try_clone() {
+                live.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id, clone);
+            }
+            let inner = self.inner.clone();
+            let live = live.clone();
+            let peer = format!("{}#{id}", path.display());
+            let spawned = std::thread::Builder::new()
+                .name("kvf-shm-serve".into())
+                .spawn(move || {
+                    shm_server::serve_conn(inner, stream, peer);
+                    live.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                });
+            if let Err(e) = spawned {
+                warn!(error = %e, "cannot start shm connection thread");
+            }
+        }
+        self.set_endpoint(|e| e.shm = None);
+        for (_, s) in live.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        let _ = std::fs::remove_file(&path);
+        Ok(())
+    }
+
+    fn set_endpoint(&self, f: impl FnOnce(&mut Endpoints)) {
+        f(&mut self
+            .inner
+            .endpoints
+            .write()
+            .unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// Connects to a peer segment over the transport that locality (or `preference`) picks, and
+    /// logs the choice with its reason.
+    pub async fn connect(
+        &self,
+        remote: &SegmentDescriptor,
+        preference: Preference,
+        segment_key: Option<u64>,
+    ) -> Result<Peer> {
+        let selection = select(&self.inner.config.node, remote, preference)?;
+        info!(
+            segment = %remote.name,
+            transport = %selection.kind,
+            reason = %selection.reason,
+            "transport selected"
+        );
+        let inner = self.inner.clone();
+        let remote = remote.clone();
+        let kind = selection.kind;
+        let (link, descriptor) = tokio::task::spawn_blocking(move || {
+            let hello = inner.hello(&remote, segment_key);
+            let pair: (Box<dyn Transport>, SegmentDescriptor) = match kind {
+                TransportKind::Tcp => {
+                    let addr = remote
+                        .endpoints
+                        .tcp
+                        .expect("selection checked tcp endpoint");
+                    let opts = TcpOptions {
+                        connections: inner.config.tcp_connections,
+                        chunk_bytes: inner.config.chunk_bytes,
+                    };
+                    let (link, d) = TcpLink::connect(addr, &hello, opts)?;
+                    (Box::new(link), d)
+                }
+                TransportKind::Shm => {
+                    let path = remote.endpoints.shm.clone().expect("selection checked shm");
+                    let (link, d) = ShmLink::connect(
+                        &path,
+                        &hello,
+                        inner.shm_pool.clone(),
+                        inner.config.shm_parallel_min,
+                    )?;
+                    (Box::new(link), d)
+                }
+                other => {
+                    return Err(Error::TransportUnavailable {
+                        transport: other,
+                        segment: remote.name.clone(),
+                        reason: "not built into this engine yet".into(),
+                    });
+                }
+            };
+            Ok(pair)
+        })
+        .await
+        .map_err(|e| Error::io("connect task", std::io::Error::other(e)))??;
+        Ok(Peer {
+            inner: self.inner.clone(),
+            descriptor: RwLock::new(descriptor),
+            selection,
+            link,
+        })
+    }
+}
+
+fn into_blocking_tcp(stream: tokio::net::TcpStream) -> std::io::Result<TcpStream> {
+    let stream = stream.into_std()?;
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+/// A connected remote segment. Submit batches against it; each carries its transport.
+#[derive(Debug)]
+pub struct Peer {
+    inner: Arc<Inner>,
+    descriptor: RwLock<SegmentDescriptor>,
+    selection: Selection,
+    link: Box<dyn Transport>,
+}
+
+impl Peer {
+    pub fn transport(&self) -> TransportKind {
+        self.link.kind()
+    }
+
+    pub fn selection(&self) -> &Selection {
+        &self.selection
+    }
+
+    pub fn descriptor(&self) -> SegmentDescriptor {
+        self.descriptor
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Replaces what we know of the peer's regions (after it registered or dropped some).
+    pub fn set_descriptor(&self, descriptor: SegmentDescriptor) {
+        *self.descriptor.write().unwrap_or_else(|e| e.into_inner()) = descriptor;
+    }
+
+    pub fn stats(&self) -> TransportStats {
+        self.link.stats()
+    }
+
+    /// Checks every op (bounds on both sides, keys, overlaps), coalesces, and hands the batch to
+    /// the transport. Returns at once; await the handle for completion.
+    pub fn submit(&self, batch: Batch) -> Result<BatchHandle> {
+        let started = Instant::now();
+        let limit = self.inner.config.max_batch_ops;
+        if batch.ops.len() > limit {
+            return Err(Error::BatchTooLarge {
+                field: "ops",
+                value: batch.ops.len() as u64,
+                limit: limit as u64,
+            });
+        }
+        op::validate(&batch.ops, batch.opcode)?;
+        let descriptor = self.descriptor.read().unwrap_or_else(|e| e.into_inner());
+        let mut locals: Vec<Arc<Region>> = Vec::new();
+        let mut remotes: Vec<&RegionDesc> = Vec::new();
+        for (i, o) in batch.ops.iter().enumerate() {
+            let local = match locals.iter().find(|r| r.id() == o.local_region) {
+                Some(r) => r,
+                None => {
+                    locals.push(self.inner.regions.get(o.local_region, Side::Local)?);
+                    locals.last().expect("just pushed")
+                }
+            };
+            local.range(i, "local_offset", o.local_offset, o.len)?;
+            let remote = match remotes.iter().find(|r| r.id == o.remote_region) {
+                Some(r) => *r,
+                None => {
+                    let r = descriptor
+                        .region(o.remote_region)
+                        .ok_or(Error::UnknownRegion {
+                            region: o.remote_region,
+                            side: Side::Remote,
+                        })?;
+                    remotes.push(r);
+                    r
+                }
+            };
+            if o.remote_offset
+                .checked_add(o.len)
+                .is_none_or(|end| end > remote.len)
+            {
+                return Err(Error::OutOfBounds {
+                    op: i,
+                    field: "remote_offset",
+                    region: remote.id,
+                    offset: o.remote_offset,
+                    len: o.len,
+                    region_len: remote.len,
+                });
+            }
+        }
+        let coalesced = op::coalesce(&batch.ops);
+        let mut pieces = Vec::with_capacity(coalesced.len());
+        for c in &coalesced {
+            let o = c.op;
+            let local = locals
+                .iter()
+                .find(|r| r.id() == o.local_region)
+                .expect("looked up above");
+            let remote = remotes
+                .iter()
+                .find(|r| r.id == o.remote_region)
+                .expect("looked up above");
+            pieces.push(Piece {
+                local: local.range(c.first_index, "local_offset", o.local_offset, o.len)?,
+                remote: Entry {
+                    region: remote.id,
+                    key: remote.key,
+                    offset: o.remote_offset,
+                    len: o.len,
+                },
+                op: c.first_index,
+            });
+        }
+        drop(descriptor);
+        let leases: Vec<Lease> = locals.iter().map(|r| r.lease()).collect();
+        let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
+        let job = Job::new(id, batch.opcode, batch.checksum, leases);
+        debug!(
+            batch = id,
+            op = %batch.opcode,
+            ops = batch.ops.len(),
+            coalesced = pieces.len(),
+            transport = %self.link.kind(),
+            "batch submitted"
+        );
+        self.link.submit(pieces, job.clone());
+        Ok(BatchHandle {
+            job,
+            timeout: batch.timeout.unwrap_or(self.inner.config.batch_timeout),
+            started,
+            transport: self.link.kind(),
+            ops: batch.ops.len(),
+            coalesced_ops: coalesced.len(),
+        })
+    }
+}

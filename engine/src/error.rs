@@ -1,0 +1,200 @@
+use std::io;
+
+use serde::{Deserialize, Serialize};
+
+use crate::region::RegionId;
+use crate::transport::TransportKind;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Every way a transfer can fail. Each variant names the field and the value that was refused so
+/// that a worker reading a failed batch knows which op to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("unknown region {region} ({side})")]
+    UnknownRegion { region: RegionId, side: Side },
+
+    #[error("wrong access key for region {region} ({side})")]
+    WrongKey { region: RegionId, side: Side },
+
+    #[error(
+        "op {op}: {field} out of bounds: offset {offset} + len {len} > region {region} length {region_len}"
+    )]
+    OutOfBounds {
+        op: usize,
+        field: &'static str,
+        region: RegionId,
+        offset: u64,
+        len: u64,
+        region_len: u64,
+    },
+
+    #[error("op {op}: len is 0")]
+    ZeroLength { op: usize },
+
+    #[error("ops {first} and {second} overlap in destination region {region} at offset {offset}")]
+    OverlappingDestination {
+        first: usize,
+        second: usize,
+        region: RegionId,
+        offset: u64,
+    },
+
+    #[error("batch is empty")]
+    EmptyBatch,
+
+    #[error("batch too large: {field} = {value}, limit {limit}")]
+    BatchTooLarge {
+        field: &'static str,
+        value: u64,
+        limit: u64,
+    },
+
+    #[error("protocol version mismatch: ours {ours}, peer {theirs}")]
+    ProtocolVersion { ours: u32, theirs: u32 },
+
+    #[error("wrong segment key for segment {segment:?}")]
+    WrongSegmentKey { segment: String },
+
+    #[error("unknown segment {segment:?}")]
+    UnknownSegment { segment: String },
+
+    #[error("malformed frame: {0}")]
+    Frame(#[from] crate::frame::FrameError),
+
+    #[error("checksum mismatch on op {op}: expected {expected:#010x}, computed {computed:#010x}")]
+    Checksum {
+        op: usize,
+        expected: u32,
+        computed: u32,
+    },
+
+    #[error("peer {peer} closed the connection mid-batch")]
+    PeerClosed { peer: String },
+
+    #[error("batch {batch} timed out after {millis} ms")]
+    Timeout { batch: u64, millis: u64 },
+
+    #[error("batch {batch} cancelled")]
+    Cancelled { batch: u64 },
+
+    #[error("transport {transport} unavailable for segment {segment:?}: {reason}")]
+    TransportUnavailable {
+        transport: TransportKind,
+        segment: String,
+        reason: String,
+    },
+
+    #[error("region {region} is not shareable over shm: {reason}")]
+    NotShareable { region: RegionId, reason: String },
+
+    #[error("invalid {field}: {value:?} ({reason})")]
+    InvalidConfig {
+        field: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+
+    #[error("peer refused: {0}")]
+    Remote(RemoteError),
+
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("engine is shutting down")]
+    ShuttingDown,
+}
+
+/// Which side of a block op a region belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Side {
+    Local,
+    Remote,
+}
+
+impl std::fmt::Display for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Side::Local => "local",
+            Side::Remote => "remote",
+        })
+    }
+}
+
+/// An error as it travels on the wire: a stable code plus the human message of the peer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteError {
+    pub code: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for RemoteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)
+    }
+}
+
+impl Error {
+    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// A short, stable name for the kind of error (wire code, metrics label).
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::UnknownRegion { .. } => "unknown_region",
+            Error::WrongKey { .. } => "wrong_key",
+            Error::OutOfBounds { .. } => "out_of_bounds",
+            Error::ZeroLength { .. } => "zero_length",
+            Error::OverlappingDestination { .. } => "overlapping_destination",
+            Error::EmptyBatch => "empty_batch",
+            Error::BatchTooLarge { .. } => "batch_too_large",
+            Error::ProtocolVersion { .. } => "protocol_version",
+            Error::WrongSegmentKey { .. } => "wrong_segment_key",
+            Error::UnknownSegment { .. } => "unknown_segment",
+            Error::Frame(_) => "malformed_frame",
+            Error::Checksum { .. } => "checksum",
+            Error::PeerClosed { .. } => "peer_closed",
+            Error::Timeout { .. } => "timeout",
+            Error::Cancelled { .. } => "cancelled",
+            Error::TransportUnavailable { .. } => "transport_unavailable",
+            Error::NotShareable { .. } => "not_shareable",
+            Error::InvalidConfig { .. } => "invalid_config",
+            Error::Remote(_) => "remote",
+            Error::Io { .. } => "io",
+            Error::ShuttingDown => "shutting_down",
+        }
+    }
+
+    pub(crate) fn to_remote(&self) -> RemoteError {
+        match self {
+            Error::Remote(r) => r.clone(),
+            other => RemoteError {
+                code: other.code().to_string(),
+                message: other.to_string(),
+            },
+        }
+    }
+
+    /// A copy for fanning one failure out to several waiters (io::Error is not Clone).
+    pub(crate) fn duplicate(&self) -> Error {
+        match self {
+            Error::PeerClosed { peer } => Error::PeerClosed { peer: peer.clone() },
+            Error::Timeout { batch, millis } => Error::Timeout {
+                batch: *batch,
+                millis: *millis,
+            },
+            Error::Cancelled { batch } => Error::Cancelled { batch: *batch },
+            Error::ShuttingDown => Error::ShuttingDown,
+            other => Error::Remote(other.to_remote()),
+        }
+    }
+}

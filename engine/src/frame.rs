@@ -1,0 +1,373 @@
+//! The wire format of the tcp and shm control streams.
+//!
+//! Every frame starts with a fixed 32-byte little-endian header:
+//!
+//! ```text
+//!  0..4   magic  "KVF1"
+//!  4      kind   (FrameKind)
+//!  5      flags  (bit 0: crc32c trailer follows, bit 1: body is an error)
+//!  6..8   reserved, zero
+//!  8..16  tag    (chunk id, echoed in the reply)
+//! 16..20  count  (manifest entries / checksums)
+//! 20..24  reserved, zero
+//! 24..32  len    (body bytes for control frames; payload bytes for data frames)
+//! ```
+//!
+//! A batch chunk travels as one manifest (all its block ops, 32 bytes each) followed by the raw
+//! payload of every op back to back, so the receiver knows every destination before the first
+//! payload byte arrives and reads straight into them with few syscalls. The decoder never
+//! allocates from a length it has not bounded first.
+
+use serde::{Deserialize, Serialize};
+
+use crate::region::{AccessKey, RegionId};
+
+pub const HEADER_LEN: usize = 32;
+pub const ENTRY_LEN: usize = 32;
+pub const MAGIC: [u8; 4] = *b"KVF1";
+/// Wire protocol version, checked in the handshake.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// At most this many block ops in one manifest (a chunk of a batch, not the batch).
+pub const MAX_ENTRIES: u32 = 1 << 16;
+/// Control bodies (handshake JSON, error messages) are small; anything larger is garbage.
+pub const MAX_CONTROL_LEN: u64 = 1 << 20;
+
+pub const FLAG_CRC: u8 = 1;
+pub const FLAG_ERROR: u8 = 2;
+const KNOWN_FLAGS: u8 = FLAG_CRC | FLAG_ERROR;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    Hello = 1,
+    Welcome = 2,
+    WriteManifest = 3,
+    Ack = 4,
+    ReadManifest = 5,
+    ReadData = 6,
+    MapRegion = 7,
+    MapReply = 8,
+}
+
+impl FrameKind {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => FrameKind::Hello,
+            2 => FrameKind::Welcome,
+            3 => FrameKind::WriteManifest,
+            4 => FrameKind::Ack,
+            5 => FrameKind::ReadManifest,
+            6 => FrameKind::ReadData,
+            7 => FrameKind::MapRegion,
+            8 => FrameKind::MapReply,
+            _ => return None,
+        })
+    }
+
+    /// Kinds whose `len` counts a JSON body rather than bulk payload.
+    fn is_control(self) -> bool {
+        !matches!(
+            self,
+            FrameKind::WriteManifest | FrameKind::ReadManifest | FrameKind::ReadData
+        )
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("bad magic {found:02x?}, expected {MAGIC:02x?}")]
+    BadMagic { found: [u8; 4] },
+    #[error("unknown frame kind {kind}")]
+    UnknownKind { kind: u8 },
+    #[error("unknown flags {flags:#04x} in {kind:?} frame")]
+    UnknownFlags { kind: FrameKind, flags: u8 },
+    #[error("reserved bytes are not zero in {kind:?} frame")]
+    Reserved { kind: FrameKind },
+    #[error("count {count} exceeds the limit of {MAX_ENTRIES} in {kind:?} frame")]
+    TooManyEntries { kind: FrameKind, count: u32 },
+    #[error("len {len} exceeds the limit of {MAX_CONTROL_LEN} for a {kind:?} frame")]
+    ControlTooLong { kind: FrameKind, len: u64 },
+    #[error("truncated frame: need {need} bytes, have {have}")]
+    Truncated { need: usize, have: usize },
+    #[error("manifest says {claimed} payload bytes but its entries add up to {actual}")]
+    LengthMismatch { claimed: u64, actual: u64 },
+    #[error("unexpected {kind:?} frame: {expected}")]
+    Unexpected {
+        kind: FrameKind,
+        expected: &'static str,
+    },
+    #[error("reply tag {found} does not match request tag {expected}")]
+    TagMismatch { expected: u64, found: u64 },
+    #[error("invalid {what} body: {reason}")]
+    Body { what: &'static str, reason: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub kind: FrameKind,
+    pub flags: u8,
+    pub tag: u64,
+    pub count: u32,
+    pub len: u64,
+}
+
+impl Header {
+    pub fn new(kind: FrameKind, tag: u64, count: u32, len: u64) -> Self {
+        Header {
+            kind,
+            flags: 0,
+            tag,
+            count,
+            len,
+        }
+    }
+
+    pub fn with_flags(mut self, flags: u8) -> Self {
+        self.flags = flags;
+        self
+    }
+
+    pub fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = self.kind as u8;
+        b[5] = self.flags;
+        b[8..16].copy_from_slice(&self.tag.to_le_bytes());
+        b[16..20].copy_from_slice(&self.count.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Header, FrameError> {
+        if b.len() < HEADER_LEN {
+            return Err(FrameError::Truncated {
+                need: HEADER_LEN,
+                have: b.len(),
+            });
+        }
+        let magic: [u8; 4] = b[0..4].try_into().expect("4 bytes");
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic { found: magic });
+        }
+        let kind = FrameKind::from_u8(b[4]).ok_or(FrameError::UnknownKind { kind: b[4] })?;
+        let flags = b[5];
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(FrameError::UnknownFlags { kind, flags });
+        }
+        if b[6..8] != [0, 0] || b[20..24] != [0, 0, 0, 0] {
+            return Err(FrameError::Reserved { kind });
+        }
+        let tag = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
+        let count = u32::from_le_bytes(b[16..20].try_into().expect("4 bytes"));
+        let len = u64::from_le_bytes(b[24..32].try_into().expect("8 bytes"));
+        if count > MAX_ENTRIES {
+            return Err(FrameError::TooManyEntries { kind, count });
+        }
+        // Error bodies of data frames are JSON too.
+        if (kind.is_control() || flags & FLAG_ERROR != 0) && len > MAX_CONTROL_LEN {
+            return Err(FrameError::ControlTooLong { kind, len });
+        }
+        Ok(Header {
+            kind,
+            flags,
+            tag,
+            count,
+            len,
+        })
+    }
+
+    /// Bytes of manifest that follow a manifest header.
+    pub fn manifest_len(&self) -> usize {
+        self.count as usize * ENTRY_LEN
+    }
+}
+
+/// One block op as the target sees it: where in its own memory, and the key that proves access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub region: RegionId,
+    pub key: AccessKey,
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl Entry {
+    /// Decodes one entry from exactly `ENTRY_LEN` bytes.
+    pub fn decode(c: &[u8; ENTRY_LEN]) -> Entry {
+        let word = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().expect("8"));
+        Entry {
+            region: RegionId(word(0)),
+            key: AccessKey(word(1)),
+            offset: word(2),
+            len: word(3),
+        }
+    }
+
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.region.0.to_le_bytes());
+        out.extend_from_slice(&self.key.0.to_le_bytes());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+    }
+}
+
+/// Decodes `header.count` entries and checks that they add up to `header.len`.
+pub fn decode_manifest(header: &Header, body: &[u8]) -> Result<Vec<Entry>, FrameError> {
+    let need = header.manifest_len();
+    if body.len() < need {
+        return Err(FrameError::Truncated {
+            need,
+            have: body.len(),
+        });
+    }
+    let mut total: u64 = 0;
+    let entries: Vec<Entry> = body[..need]
+        .chunks_exact(ENTRY_LEN)
+        .map(|c| {
+            let e = Entry::decode(c.try_into().expect("chunks_exact"));
+            total = total.saturating_add(e.len);
+            e
+        })
+        .collect();
+    if total != header.len {
+        return Err(FrameError::LengthMismatch {
+            claimed: header.len,
+            actual: total,
+        });
+    }
+    Ok(entries)
+}
+
+/// Decodes `count` little-endian crc32c values.
+pub fn decode_crcs(count: u32, body: &[u8]) -> Result<Vec<u32>, FrameError> {
+    let need = count as usize * 4;
+    if body.len() < need {
+        return Err(FrameError::Truncated {
+            need,
+            have: body.len(),
+        });
+    }
+    Ok(body[..need]
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4")))
+        .collect())
+}
+
+/// First frame from the initiator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    pub protocol: u32,
+    /// The segment the initiator wants to reach on this endpoint.
+    pub segment: String,
+    /// The segment key, if the target requires one.
+    pub key: Option<u64>,
+    /// The initiator's own segment name, for logs and traces.
+    pub from: String,
+}
+
+/// The target's answer: its current descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub protocol: u32,
+    pub descriptor: crate::segment::SegmentDescriptor,
+}
+
+pub fn decode_json<T: for<'de> Deserialize<'de>>(
+    what: &'static str,
+    body: &[u8],
+) -> Result<T, FrameError> {
+    serde_json::from_slice(body).map_err(|e| FrameError::Body {
+        what,
+        reason: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips() {
+        let h = Header::new(FrameKind::WriteManifest, 42, 3, 1 << 40).with_flags(FLAG_CRC);
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+    }
+
+    #[test]
+    fn garbage_headers_are_typed_errors() {
+        let good = Header::new(FrameKind::Ack, 1, 0, 0).encode();
+        let mut b = good;
+        b[0] = b'X';
+        assert!(matches!(
+            Header::decode(&b),
+            Err(FrameError::BadMagic { .. })
+        ));
+        let mut b = good;
+        b[4] = 200;
+        assert_eq!(
+            Header::decode(&b),
+            Err(FrameError::UnknownKind { kind: 200 })
+        );
+        let mut b = good;
+        b[5] = 0x80;
+        assert!(matches!(
+            Header::decode(&b),
+            Err(FrameError::UnknownFlags { .. })
+        ));
+        let mut b = good;
+        b[7] = 1;
+        assert!(matches!(
+            Header::decode(&b),
+            Err(FrameError::Reserved { .. })
+        ));
+        let b = Header::new(FrameKind::ReadManifest, 1, MAX_ENTRIES + 1, 0).encode();
+        assert!(matches!(
+            Header::decode(&b),
+            Err(FrameError::TooManyEntries { .. })
+        ));
+        let b = Header::new(FrameKind::Hello, 1, 0, MAX_CONTROL_LEN + 1).encode();
+        assert!(matches!(
+            Header::decode(&b),
+            Err(FrameError::ControlTooLong { .. })
+        ));
+        assert_eq!(
+            Header::decode(&good[..10]),
+            Err(FrameError::Truncated { need: 32, have: 10 })
+        );
+    }
+
+    #[test]
+    fn manifest_checks_length_and_truncation() {
+        let entries = [
+            Entry {
+                region: RegionId(1),
+                key: AccessKey(9),
+                offset: 0,
+                len: 10,
+            },
+            Entry {
+                region: RegionId(2),
+                key: AccessKey(9),
+                offset: 5,
+                len: u64::MAX,
+            },
+        ];
+        let mut body = Vec::new();
+        entries.iter().for_each(|e| e.encode_into(&mut body));
+        let h = Header::new(FrameKind::WriteManifest, 0, 1, 10);
+        assert_eq!(decode_manifest(&h, &body[..32]).unwrap(), entries[..1]);
+        // Lengths that overflow when added saturate and then mismatch; never wrap to a lie.
+        let h = Header::new(FrameKind::WriteManifest, 0, 2, 9);
+        assert!(matches!(
+            decode_manifest(&h, &body),
+            Err(FrameError::LengthMismatch { .. })
+        ));
+        assert!(matches!(
+            decode_manifest(&h, &body[..40]),
+            Err(FrameError::Truncated { need: 64, have: 40 })
+        ));
+    }
+}

@@ -1,0 +1,24 @@
+//! kvfabric's transfer engine: registered memory regions, segment descriptors, batches of block
+//! ops, and the transports that carry them (tcp between nodes, shared memory within one).
+//!
+//! The engine knows nothing of Kubernetes, etcd or gRPC; an inference process can embed it alone.
+
+mod batch;
+mod engine;
+mod error;
+pub mod frame;
+mod handshake;
+mod op;
+mod region;
+mod region_table;
+mod segment;
+pub mod transport;
+
+pub use batch::{Batch, BatchHandle, BatchResult, Canceller};
+pub use engine::{Engine, EngineConfig, Peer};
+pub use error::{Error, RemoteError, Result, Side};
+pub use op::{BlockOp, Coalesced, Opcode, coalesce, validate};
+pub use region::{AccessKey, Location, RawRange, Region, RegionId};
+pub use segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor, local_node_id};
+pub use transport::select::{Preference, Selection};
+pub use transport::{TransportKind, TransportStats};

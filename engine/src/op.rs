@@ -1,0 +1,175 @@
+//! Block ops: validation and coalescing, before anything reaches a transport.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::region::RegionId;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Opcode {
+    /// Pull: remote → local.
+    Read,
+    /// Push: local → remote.
+    Write,
+}
+
+impl std::fmt::Display for Opcode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Opcode::Read => "read",
+            Opcode::Write => "write",
+        })
+    }
+}
+
+impl std::str::FromStr for Opcode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "read" => Ok(Opcode::Read),
+            "write" => Ok(Opcode::Write),
+            other => Err(Error::InvalidConfig {
+                field: "op",
+                value: other.into(),
+                reason: "expected read or write",
+            }),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockOp {
+    pub local_region: RegionId,
+    pub local_offset: u64,
+    pub remote_region: RegionId,
+    pub remote_offset: u64,
+    pub len: u64,
+}
+
+/// Rejects zero-length ops and destination ranges that overlap within the batch (their result
+/// would depend on the order the transport happens to use).
+pub fn validate(ops: &[BlockOp], opcode: Opcode) -> Result<()> {
+    if ops.is_empty() {
+        return Err(Error::EmptyBatch);
+    }
+    if let Some(i) = ops.iter().position(|o| o.len == 0) {
+        return Err(Error::ZeroLength { op: i });
+    }
+    let dest = |o: &BlockOp| match opcode {
+        Opcode::Read => (o.local_region, o.local_offset),
+        Opcode::Write => (o.remote_region, o.remote_offset),
+    };
+    let mut order: Vec<usize> = (0..ops.len()).collect();
+    order.sort_unstable_by_key(|&i| dest(&ops[i]));
+    for w in order.windows(2) {
+        let (a, b) = (&ops[w[0]], &ops[w[1]]);
+        let ((ra, oa), (rb, ob)) = (dest(a), dest(b));
+        if ra == rb && oa.saturating_add(a.len) > ob {
+            return Err(Error::OverlappingDestination {
+                first: w[0].min(w[1]),
+                second: w[0].max(w[1]),
+                region: rb,
+                offset: ob,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// An op after coalescing, remembering the first caller op it came from (for error messages).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Coalesced {
+    pub op: BlockOp,
+    pub first_index: usize,
+}
+
+/// Merges ops that are adjacent on both sides, in submission order. KV blocks of one request
+/// are often allocated back to back; one large op costs one header instead of many.
+pub fn coalesce(ops: &[BlockOp]) -> Vec<Coalesced> {
+    let mut out: Vec<Coalesced> = Vec::with_capacity(ops.len());
+    for (i, op) in ops.iter().enumerate() {
+        if let Some(last) = out.last_mut() {
+            let l = &mut last.op;
+            if l.local_region == op.local_region
+                && l.remote_region == op.remote_region
+                && l.local_offset + l.len == op.local_offset
+                && l.remote_offset + l.len == op.remote_offset
+            {
+                l.len += op.len;
+                continue;
+            }
+        }
+        out.push(Coalesced {
+            op: *op,
+            first_index: i,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(lo: u64, ro: u64, len: u64) -> BlockOp {
+        BlockOp {
+            local_region: RegionId(1),
+            local_offset: lo,
+            remote_region: RegionId(2),
+            remote_offset: ro,
+            len,
+        }
+    }
+
+    #[test]
+    fn coalesces_only_ops_adjacent_on_both_sides() {
+        let ops = [
+            op(0, 100, 10),
+            op(10, 110, 10),
+            op(20, 200, 10),
+            op(30, 210, 5),
+        ];
+        let c = coalesce(&ops);
+        assert_eq!(c.len(), 2);
+        assert_eq!(c[0].op, op(0, 100, 20));
+        assert_eq!(c[1].op, op(20, 200, 15));
+        assert_eq!(c[1].first_index, 2);
+    }
+
+    #[test]
+    fn zero_length_and_empty_batches_are_refused() {
+        assert!(matches!(
+            validate(&[], Opcode::Read),
+            Err(Error::EmptyBatch)
+        ));
+        let err = validate(&[op(0, 0, 4), op(8, 8, 0)], Opcode::Write).unwrap_err();
+        assert!(matches!(err, Error::ZeroLength { op: 1 }), "{err}");
+    }
+
+    #[test]
+    fn overlapping_destinations_name_both_ops() {
+        // Read: the destination is local.
+        let err =
+            validate(&[op(0, 0, 8), op(100, 100, 8), op(4, 200, 8)], Opcode::Read).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OverlappingDestination {
+                    first: 0,
+                    second: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // The same ops are fine as a write: remote destinations are disjoint.
+        validate(
+            &[op(0, 0, 8), op(100, 100, 8), op(4, 200, 8)],
+            Opcode::Write,
+        )
+        .unwrap();
+        // Overlapping sources are fine (one block sent twice).
+        validate(&[op(0, 0, 8), op(0, 8, 8)], Opcode::Write).unwrap();
+    }
+}

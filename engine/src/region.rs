@@ -1,0 +1,358 @@
+//! Registered memory. A region is the unit of bounds and key checks: every byte a transfer touches
+//! lies inside one region, checked before any I/O starts.
+
+use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rustix::fs::{MemfdFlags, memfd_create};
+use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use crate::error::{Error, Result, Side};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RegionId(pub u64);
+
+impl fmt::Display for RegionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The secret a peer must present to touch a region (the role an rkey plays in RDMA).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct AccessKey(pub u64);
+
+impl AccessKey {
+    pub fn random() -> Self {
+        AccessKey(rand::random())
+    }
+}
+
+impl fmt::Debug for AccessKey {
+    // Keys end up in logs through Debug; never print the secret itself.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AccessKey(..)")
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Location {
+    Host { numa: Option<u32> },
+    Cuda { device: u32 },
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Host { numa: Some(n) } => write!(f, "host(numa {n})"),
+            Location::Host { numa: None } => f.write_str("host"),
+            Location::Cuda { device } => write!(f, "cuda:{device}"),
+        }
+    }
+}
+
+/// Where a region's bytes live and who frees them.
+enum Backing {
+    /// Allocated by the engine in a memfd so a process on the same node can map it.
+    Memfd { fd: OwnedFd },
+    /// A peer's memfd mapped into this process (shm transport).
+    Mapped { _fd: OwnedFd },
+    /// The caller's memory; the caller keeps it alive until deregistration completes.
+    Caller,
+}
+
+pub struct Region {
+    id: RegionId,
+    key: AccessKey,
+    location: Location,
+    ptr: NonNull<u8>,
+    len: u64,
+    backing: Backing,
+    inflight: AtomicUsize,
+    idle: Notify,
+}
+
+// SAFETY: a Region is a raw range of memory; concurrent access is what a transfer engine does and
+// is coordinated by the batch protocol, not by Rust references. The pointer stays valid for the
+// Region's whole life (mapping released in Drop, caller memory guaranteed by `register_ptr`).
+unsafe impl Send for Region {}
+// SAFETY: see above; all interior state is atomic or immutable.
+unsafe impl Sync for Region {}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.id)
+            .field("location", &self.location)
+            .field("len", &self.len)
+            .field("shareable", &self.shareable())
+            .finish()
+    }
+}
+
+fn page_size() -> u64 {
+    rustix::param::page_size() as u64
+}
+
+fn map_shared(fd: BorrowedFd<'_>, len: u64) -> Result<NonNull<u8>> {
+    let len_usize = usize::try_from(len).map_err(|_| Error::InvalidConfig {
+        field: "len",
+        value: len.to_string(),
+        reason: "does not fit the address space",
+    })?;
+    // SAFETY: a fresh shared mapping of an fd we hold; no existing memory is aliased.
+    let ptr = unsafe {
+        mmap(
+            std::ptr::null_mut(),
+            len_usize,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED,
+            fd,
+            0,
+        )
+    }
+    .map_err(|e| Error::io(format!("mmap {len} bytes"), e.into()))?;
+    NonNull::new(ptr.cast()).ok_or_else(|| Error::io("mmap", std::io::Error::other("null mapping")))
+}
+
+impl Region {
+    /// Allocates `len` bytes (rounded up to a page) in a fresh memfd.
+    pub(crate) fn alloc(id: RegionId, len: u64) -> Result<Region> {
+        if len == 0 {
+            return Err(Error::InvalidConfig {
+                field: "len",
+                value: "0".into(),
+                reason: "a region needs at least one byte",
+            });
+        }
+        let mapped_len = len.div_ceil(page_size()) * page_size();
+        let fd = memfd_create("kvfabric-region", MemfdFlags::CLOEXEC)
+            .map_err(|e| Error::io("memfd_create", e.into()))?;
+        rustix::fs::ftruncate(&fd, mapped_len)
+            .map_err(|e| Error::io(format!("ftruncate memfd to {mapped_len}"), e.into()))?;
+        let ptr = map_shared(fd.as_fd(), mapped_len)?;
+        Ok(Region::new(
+            id,
+            Location::Host { numa: None },
+            ptr,
+            len,
+            Backing::Memfd { fd },
+        ))
+    }
+
+    /// Wraps caller memory.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes until the region is deregistered and
+    /// every lease on it is dropped.
+    pub(crate) unsafe fn from_ptr(
+        id: RegionId,
+        location: Location,
+        ptr: NonNull<u8>,
+        len: u64,
+    ) -> Region {
+        Region::new(id, location, ptr, len, Backing::Caller)
+    }
+
+    /// Maps a peer's memfd (shm transport). The mapping length comes from the fd itself, never
+    /// from what the peer claims, so bounds checks hold even against a lying peer.
+    pub(crate) fn map_peer(id: RegionId, key: AccessKey, fd: OwnedFd) -> Result<Region> {
+        let stat = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat peer memfd", e.into()))?;
+        let len = u64::try_from(stat.st_size).unwrap_or(0);
+        if len == 0 {
+            return Err(Error::NotShareable {
+                region: id,
+                reason: "peer sent an empty file".into(),
+            });
+        }
+        let ptr = map_shared(fd.as_fd(), len)?;
+        let mut region = Region::new(
+            id,
+            Location::Host { numa: None },
+            ptr,
+            len,
+            Backing::Mapped { _fd: fd },
+        );
+        region.key = key;
+        Ok(region)
+    }
+
+    fn new(id: RegionId, location: Location, ptr: NonNull<u8>, len: u64, backing: Backing) -> Self {
+        Region {
+            id,
+            key: AccessKey::random(),
+            location,
+            ptr,
+            len,
+            backing,
+            inflight: AtomicUsize::new(0),
+            idle: Notify::new(),
+        }
+    }
+
+    pub fn id(&self) -> RegionId {
+        self.id
+    }
+    pub fn key(&self) -> AccessKey {
+        self.key
+    }
+    pub fn location(&self) -> Location {
+        self.location
+    }
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn shareable(&self) -> bool {
+        matches!(self.backing, Backing::Memfd { .. })
+    }
+    pub(crate) fn memfd(&self) -> Option<BorrowedFd<'_>> {
+        match &self.backing {
+            Backing::Memfd { fd } => Some(fd.as_fd()),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn check_key(&self, key: AccessKey, side: Side) -> Result<()> {
+        if key == self.key {
+            Ok(())
+        } else {
+            Err(Error::WrongKey {
+                region: self.id,
+                side,
+            })
+        }
+    }
+
+    /// Bounds-checked raw range. `op` and `field` only label the error.
+    pub fn range(&self, op: usize, field: &'static str, offset: u64, len: u64) -> Result<RawRange> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(RawRange {
+                // SAFETY: offset + len <= self.len, so the result stays inside the mapping.
+                ptr: unsafe { self.ptr.as_ptr().add(offset as usize) },
+                len: len as usize,
+            }),
+            _ => Err(Error::OutOfBounds {
+                op,
+                field,
+                region: self.id,
+                offset,
+                len,
+                region_len: self.len,
+            }),
+        }
+    }
+
+    /// The whole region as a byte slice.
+    ///
+    /// # Safety
+    /// No transfer may write into the region while the slice is alive.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: valid mapping of self.len bytes; exclusivity is the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len as usize) }
+    }
+
+    /// The whole region as a mutable byte slice.
+    ///
+    /// # Safety
+    /// No transfer may touch the region, and no other slice of it may exist, while it is alive.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: valid mapping of self.len bytes; exclusivity is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len as usize) }
+    }
+
+    /// Holds the region for the duration of one piece of work; deregistration waits for it.
+    pub(crate) fn lease(self: &Arc<Self>) -> Lease {
+        self.inflight.fetch_add(1, Ordering::AcqRel);
+        Lease(self.clone())
+    }
+
+    pub(crate) async fn drained(&self) {
+        loop {
+            let notified = self.idle.notified();
+            if self.inflight.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Pieces of work currently holding the region.
+    pub fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if !matches!(self.backing, Backing::Caller) {
+            let mapped = self.len.div_ceil(page_size()) * page_size();
+            // SAFETY: we created this mapping with exactly this base and (page-rounded) length;
+            // the last Arc is gone so nothing can reach it any more.
+            let _ = unsafe { munmap(self.ptr.as_ptr().cast(), mapped as usize) };
+        }
+    }
+}
+
+/// A region held by in-flight work.
+#[derive(Debug)]
+pub struct Lease(Arc<Region>);
+
+impl Lease {
+    pub fn region(&self) -> &Arc<Region> {
+        &self.0
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.0.inflight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// A checked pointer + length inside a region, valid while the lease that produced it is held.
+#[derive(Debug, Clone, Copy)]
+pub struct RawRange {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+}
+
+// SAFETY: a RawRange is only created by `Region::range` and only used while a Lease on that region
+// keeps the memory mapped.
+unsafe impl Send for RawRange {}
+// SAFETY: as above.
+unsafe impl Sync for RawRange {}
+
+impl RawRange {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// # Safety
+    /// The range's region must be leased and no one may write into the range meanwhile.
+    pub(crate) unsafe fn as_slice<'a>(&self) -> &'a [u8] {
+        // SAFETY: bounds checked at construction; liveness by the caller's lease.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    /// # Safety
+    /// The range's region must be leased and the range must not be aliased meanwhile.
+    pub(crate) unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
+        // SAFETY: bounds checked at construction; liveness and exclusivity by the caller.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}

@@ -1,0 +1,53 @@
+//! Blocking vectored I/O that finishes what it starts (std leaves partial reads/writes to us).
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+
+pub(crate) fn write_all_vectored<W: Write>(
+    w: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn read_exact_vectored<R: Read>(
+    r: &mut R,
+    mut bufs: &mut [IoSliceMut<'_>],
+) -> io::Result<()> {
+    IoSliceMut::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match r.read_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and throws away `len` bytes, to stay in step with a stream whose payload was refused.
+pub(crate) fn discard<R: Read>(r: &mut R, mut len: u64, scratch: &mut Vec<u8>) -> io::Result<()> {
+    scratch.resize(1 << 16, 0);
+    while len > 0 {
+        let n = len.min(scratch.len() as u64) as usize;
+        r.read_exact(&mut scratch[..n])?;
+        len -= n as u64;
+    }
+    Ok(())
+}
+
+/// Reads a control body of a length the header decoder has already bounded.
+pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body)?;
+    Ok(body)
+}

@@ -1,0 +1,79 @@
+//! Transports move the pieces of a batch. Which one carries a peer is decided once, at connect
+//! time, by locality (see [`select`]), and reported with every batch result.
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::batch::Job;
+use crate::frame::Entry;
+use crate::region::RawRange;
+
+pub(crate) mod io;
+pub mod select;
+pub(crate) mod shm;
+pub(crate) mod shm_server;
+pub(crate) mod tcp;
+pub(crate) mod tcp_server;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TransportKind {
+    Tcp,
+    Shm,
+    CudaIpc,
+    Rdma,
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+            TransportKind::CudaIpc => "cuda-ipc",
+            TransportKind::Rdma => "rdma",
+        })
+    }
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s {
+            "tcp" => Ok(TransportKind::Tcp),
+            "shm" => Ok(TransportKind::Shm),
+            "cuda-ipc" => Ok(TransportKind::CudaIpc),
+            "rdma" => Ok(TransportKind::Rdma),
+            other => Err(crate::Error::InvalidConfig {
+                field: "transport",
+                value: other.into(),
+                reason: "expected tcp, shm, cuda-ipc or rdma",
+            }),
+        }
+    }
+}
+
+/// One contiguous piece of a batch after coalescing and bounds checks: the local bytes and the
+/// remote place they go to or come from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Piece {
+    pub local: RawRange,
+    pub remote: Entry,
+    /// Index of the caller's op this piece starts at, for error messages.
+    pub op: usize,
+}
+
+/// The per-peer half of a transport: takes a planned batch and completes its job.
+pub(crate) trait Transport: Send + Sync + fmt::Debug {
+    fn kind(&self) -> TransportKind;
+    fn submit(&self, pieces: Vec<Piece>, job: Arc<Job>);
+    /// Live data connections and bytes moved, for status output.
+    fn stats(&self) -> TransportStats;
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TransportStats {
+    pub connections: usize,
+    pub bytes: u64,
+}

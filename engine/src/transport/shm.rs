@@ -1,0 +1,256 @@
+//! Shared memory, initiator side: maps the peer's memfd regions (fetched once over its Unix
+//! socket, then cached) and copies directly, on a small thread pool for large batches.
+
+use std::collections::HashMap;
+use std::io::{IoSliceMut, Read};
+use std::mem::MaybeUninit;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rayon::prelude::*;
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
+
+use super::{Piece, Transport, TransportKind, TransportStats};
+use crate::batch::Job;
+use crate::error::{Error, Result};
+use crate::frame::{ENTRY_LEN, FLAG_ERROR, FrameError, FrameKind, HEADER_LEN, Header, Hello};
+use crate::handshake::{self, closed_or_io, read_remote_error};
+use crate::op::Opcode;
+use crate::region::{AccessKey, RawRange, Region, RegionId};
+use crate::segment::SegmentDescriptor;
+
+/// Pieces are cut to this size so one huge op still spreads over every copy thread.
+const COPY_SLICE: usize = 1 << 20;
+
+#[derive(Debug)]
+pub(crate) struct ShmLink {
+    inner: Arc<ShmInner>,
+}
+
+#[derive(Debug)]
+struct ShmInner {
+    peer: String,
+    sock: Mutex<UnixStream>,
+    maps: Mutex<HashMap<RegionId, Arc<Region>>>,
+    pool: Arc<rayon::ThreadPool>,
+    parallel_min: u64,
+    moved: AtomicU64,
+}
+
+impl ShmLink {
+    pub(crate) fn connect(
+        path: &Path,
+        hello: &Hello,
+        pool: Arc<rayon::ThreadPool>,
+        parallel_min: u64,
+    ) -> Result<(ShmLink, SegmentDescriptor)> {
+        let peer = path.display().to_string();
+        let mut sock = UnixStream::connect(path)
+            .map_err(|e| Error::io(format!("connect shm socket {peer}"), e))?;
+        let descriptor = handshake::client(&mut sock, &peer, hello)?;
+        let inner = ShmInner {
+            peer,
+            sock: Mutex::new(sock),
+            maps: Mutex::default(),
+            pool,
+            parallel_min,
+            moved: AtomicU64::new(0),
+        };
+        Ok((
+            ShmLink {
+                inner: Arc::new(inner),
+            },
+            descriptor,
+        ))
+    }
+}
+
+impl Transport for ShmLink {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn submit(&self, pieces: Vec<Piece>, job: Arc<Job>) {
+        job.expect_pieces(1);
+        let inner = self.inner.clone();
+        self.inner
+            .pool
+            .spawn(move || match inner.run(&pieces, &job) {
+                Ok(bytes) => {
+                    inner.moved.fetch_add(bytes, Ordering::Relaxed);
+                    job.piece_done(bytes)
+                }
+                Err(e) => job.piece_failed(e),
+            });
+    }
+
+    fn stats(&self) -> TransportStats {
+        TransportStats {
+            connections: 1,
+            bytes: self.inner.moved.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl ShmInner {
+    fn run(&self, pieces: &[Piece], job: &Job) -> Result<u64> {
+        let mut held: Vec<Arc<Region>> = Vec::new();
+        let mut copies: Vec<(RawRange, RawRange, usize)> = Vec::with_capacity(pieces.len());
+        let mut total = 0u64;
+        for p in pieces {
+            let region = match held.last() {
+                Some(r) if r.id() == p.remote.region => r.clone(),
+                _ => {
+                    let r = self.mapping(p.remote.region, p.remote.key)?;
+                    held.push(r.clone());
+                    r
+                }
+            };
+            // Checked against the mapping's real size, whatever the descriptor said.
+            let remote = region.range(p.op, "remote_offset", p.remote.offset, p.remote.len)?;
+            let (src, dst) = match job.opcode {
+                Opcode::Read => (remote, p.local),
+                Opcode::Write => (p.local, remote),
+            };
+            copies.push((src, dst, p.op));
+            total += p.remote.len;
+        }
+        if job.is_cancelled() {
+            return Err(Error::Cancelled { batch: job.id });
+        }
+        if total >= self.parallel_min {
+            let slices: Vec<(RawRange, RawRange)> = copies
+                .iter()
+                .flat_map(|&(src, dst, _)| split(src, dst))
+                .collect();
+            slices.par_iter().for_each(|&(s, d)| copy(s, d));
+        } else {
+            copies.iter().for_each(|&(s, d, _)| copy(s, d));
+        }
+        if job.checksum {
+            for &(src, dst, op) in &copies {
+                // SAFETY: both ranges are leased/mapped and the copy above has finished.
+                let (expected, computed) = unsafe {
+                    (
+                        crc32c::crc32c(src.as_slice()),
+                        crc32c::crc32c(dst.as_slice()),
+                    )
+                };
+                if expected != computed {
+                    return Err(Error::Checksum {
+                        op,
+                        expected,
+                        computed,
+                    });
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// The peer's region mapped here, asking the peer for its memfd the first time.
+    fn mapping(&self, id: RegionId, key: AccessKey) -> Result<Arc<Region>> {
+        if let Some(r) = self.maps.lock().unwrap_or_else(|e| e.into_inner()).get(&id)
+            && r.key() == key
+        {
+            return Ok(r.clone());
+        }
+        let fd = {
+            let mut sock = self.sock.lock().unwrap_or_else(|e| e.into_inner());
+            self.request_fd(&mut sock, id, key)?
+        };
+        let region = Arc::new(Region::map_peer(id, key, fd)?);
+        self.maps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, region.clone());
+        Ok(region)
+    }
+
+    fn request_fd(&self, sock: &mut UnixStream, id: RegionId, key: AccessKey) -> Result<OwnedFd> {
+        let io = |e| closed_or_io(e, &self.peer);
+        let mut req = Header::new(FrameKind::MapRegion, id.0, 1, ENTRY_LEN as u64)
+            .encode()
+            .to_vec();
+        crate::frame::Entry {
+            region: id,
+            key,
+            offset: 0,
+            len: 0,
+        }
+        .encode_into(&mut req);
+        std::io::Write::write_all(sock, &req).map_err(io)?;
+
+        let mut head = [0u8; HEADER_LEN];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+        let got = recvmsg(
+            &*sock,
+            &mut [IoSliceMut::new(&mut head)],
+            &mut cmsg,
+            RecvFlags::CMSG_CLOEXEC,
+        )
+        .map_err(|e| io(e.into()))?
+        .bytes;
+        if got == 0 {
+            return Err(Error::PeerClosed {
+                peer: self.peer.clone(),
+            });
+        }
+        let mut fd = None;
+        for msg in cmsg.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = msg {
+                fd = fds.into_iter().next().or(fd);
+            }
+        }
+        sock.read_exact(&mut head[got..]).map_err(io)?;
+        let h = Header::decode(&head)?;
+        if h.kind != FrameKind::MapReply || h.tag != id.0 {
+            return Err(FrameError::Unexpected {
+                kind: h.kind,
+                expected: "the MapReply for the requested region",
+            }
+            .into());
+        }
+        if h.has(FLAG_ERROR) {
+            return Err(read_remote_error(sock, &h, &self.peer)?);
+        }
+        fd.ok_or_else(|| {
+            FrameError::Body {
+                what: "map reply",
+                reason: "no file descriptor attached".into(),
+            }
+            .into()
+        })
+    }
+}
+
+fn split(src: RawRange, dst: RawRange) -> impl Iterator<Item = (RawRange, RawRange)> {
+    (0..src.len).step_by(COPY_SLICE).map(move |at| {
+        let len = COPY_SLICE.min(src.len - at);
+        // SAFETY: at + len <= src.len == dst.len, inside both checked ranges.
+        unsafe {
+            (
+                RawRange {
+                    ptr: src.ptr.add(at),
+                    len,
+                },
+                RawRange {
+                    ptr: dst.ptr.add(at),
+                    len,
+                },
+            )
+        }
+    })
+}
+
+fn copy(src: RawRange, dst: RawRange) {
+    debug_assert_eq!(src.len, dst.len);
+    // SAFETY: both ranges are bounds-checked and held (job leases, mapped regions); destination
+    // ranges of one batch are disjoint, and a source never overlaps its destination because they
+    // live in different mappings.
+    unsafe { std::ptr::copy_nonoverlapping(src.ptr, dst.ptr, src.len) };
+}

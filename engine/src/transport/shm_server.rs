@@ -1,0 +1,89 @@
+//! Shared memory, target side: after the handshake, answers `MapRegion` requests with the
+//! region's memfd, passed over the Unix socket (SCM_RIGHTS). The key is checked first.
+
+use std::io::{IoSlice, Read};
+use std::mem::MaybeUninit;
+use std::os::fd::BorrowedFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
+use tracing::info;
+
+use crate::engine::Inner;
+use crate::error::{Error, Result, Side};
+use crate::frame::{ENTRY_LEN, Entry, FrameError, FrameKind, Header};
+use crate::handshake::{self, closed_or_io, read_header, send_error};
+
+pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: UnixStream, peer: String) {
+    let descriptor = inner.descriptor();
+    match handshake::server(&mut stream, &peer, &descriptor, inner.config.segment_key) {
+        Ok(hello) => info!(%peer, from = %hello.from, "shm connection accepted"),
+        Err(e) => {
+            info!(%peer, error = %e, "shm handshake refused");
+            return;
+        }
+    }
+    loop {
+        match serve_one(&inner, &mut stream, &peer) {
+            Ok(()) => {}
+            Err(Error::PeerClosed { .. }) => break,
+            Err(e) => {
+                info!(%peer, error = %e, "closing shm connection");
+                send_error(&mut stream, FrameKind::MapReply, 0, &e);
+                break;
+            }
+        }
+    }
+}
+
+fn serve_one(inner: &Inner, s: &mut UnixStream, peer: &str) -> Result<()> {
+    let h = read_header(s, peer)?;
+    if h.kind != FrameKind::MapRegion || h.count != 1 || h.len != ENTRY_LEN as u64 {
+        return Err(FrameError::Unexpected {
+            kind: h.kind,
+            expected: "a MapRegion frame with one entry",
+        }
+        .into());
+    }
+    let mut body = [0u8; ENTRY_LEN];
+    s.read_exact(&mut body).map_err(|e| closed_or_io(e, peer))?;
+    let entry = Entry::decode(&body);
+    let lease = match inner
+        .regions
+        .lease_checked(entry.region, entry.key, Side::Remote)
+    {
+        Ok(l) => l,
+        Err(e) => {
+            send_error(s, FrameKind::MapReply, h.tag, &e);
+            return Ok(());
+        }
+    };
+    let Some(fd) = lease.region().memfd() else {
+        let e = Error::NotShareable {
+            region: entry.region,
+            reason: "registered from caller memory, not a memfd".into(),
+        };
+        send_error(s, FrameKind::MapReply, h.tag, &e);
+        return Ok(());
+    };
+    send_fd(
+        s,
+        &Header::new(FrameKind::MapReply, h.tag, 1, 0).encode(),
+        fd,
+    )
+    .map_err(|e| closed_or_io(e, peer))
+}
+
+fn send_fd(s: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<()> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut cmsg = SendAncillaryBuffer::new(&mut space);
+    let fds = [fd];
+    cmsg.push(SendAncillaryMessage::ScmRights(&fds));
+    let n = sendmsg(s, &[IoSlice::new(bytes)], &mut cmsg, SendFlags::NOSIGNAL)?;
+    if n < bytes.len() {
+        // The descriptor went with the first byte; the rest is plain data.
+        std::io::Write::write_all(&mut &*s, &bytes[n..])?;
+    }
+    Ok(())
+}

@@ -1,0 +1,552 @@
+//! TCP, initiator side: several connections per peer, each with a writer thread that streams
+//! chunks (manifest + payload, one writev per up to 1024 buffers) and a reader thread that takes
+//! replies in order and reads read-payload straight into local memory. Nothing waits for a reply
+//! before sending the next chunk.
+
+use std::collections::VecDeque;
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+
+use rustix::net::{SendFlags, send};
+use tracing::{debug, warn};
+
+use super::io::{discard, read_exact_vectored, write_all_vectored};
+use super::{Piece, Transport, TransportKind, TransportStats};
+use crate::batch::Job;
+use crate::error::{Error, Result};
+use crate::frame::{
+    ENTRY_LEN, FLAG_CRC, FLAG_ERROR, FrameError, FrameKind, HEADER_LEN, Header, Hello, MAX_ENTRIES,
+    decode_crcs,
+};
+use crate::handshake::{self, closed_or_io, read_header, read_remote_error};
+use crate::op::Opcode;
+use crate::segment::SegmentDescriptor;
+
+/// One manifest's worth of a batch, sent on one connection.
+#[derive(Debug)]
+struct Chunk {
+    job: Arc<Job>,
+    pieces: Vec<Piece>,
+    bytes: u64,
+    tag: u64,
+}
+
+/// Chunks up to this size (header, manifest and payload) are written by the submitting thread
+/// itself when the connection is idle: a small batch then does not wait for a thread wake-up.
+const INLINE_MAX: usize = 64 << 10;
+
+#[derive(Debug)]
+enum Work {
+    Chunk(Chunk),
+    /// The unsent rest of an inline write that the socket could not take at once.
+    Tail(Vec<u8>),
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    items: VecDeque<Work>,
+    /// Someone (the writer thread or an inline submitter) is writing to the socket.
+    busy: bool,
+    closed: bool,
+}
+
+#[derive(Debug)]
+struct Conn {
+    peer: String,
+    stream: TcpStream,
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    /// Chunks written and awaiting their reply, in wire order.
+    pending: Mutex<VecDeque<Arc<Chunk>>>,
+    alive: AtomicBool,
+    /// Bytes queued or on the wire, to spread chunks over connections.
+    outstanding: AtomicU64,
+    moved: AtomicU64,
+    next_tag: AtomicU64,
+}
+
+#[derive(Debug)]
+pub(crate) struct TcpLink {
+    conns: Vec<Arc<Conn>>,
+    chunk_bytes: u64,
+}
+
+pub(crate) struct TcpOptions {
+    pub connections: usize,
+    pub chunk_bytes: u64,
+}
+
+impl TcpLink {
+    /// Opens `connections` data connections to `addr` and shakes hands on each. Blocking.
+    pub(crate) fn connect(
+        addr: SocketAddr,
+        hello: &Hello,
+        opts: TcpOptions,
+    ) -> Result<(TcpLink, SegmentDescriptor)> {
+        let peer = addr.to_string();
+        let mut conns = Vec::with_capacity(opts.connections);
+        let mut descriptor = None;
+        for _ in 0..opts.connections.max(1) {
+            let mut stream = TcpStream::connect(addr)
+                .map_err(|e| Error::io(format!("connect tcp {peer}"), e))?;
+            stream
+                .set_nodelay(true)
+                .map_err(|e| Error::io("set TCP_NODELAY", e))?;
+            descriptor = Some(handshake::client(&mut stream, &peer, hello)?);
+            conns.push(Conn::start(peer.clone(), stream)?);
+        }
+        let link = TcpLink {
+            conns,
+            chunk_bytes: opts.chunk_bytes.max(1),
+        };
+        Ok((link, descriptor.expect("at least one connection")))
+    }
+
+    /// Cuts the pieces into chunks of about `chunk_bytes` (splitting large pieces) so a big batch
+    /// spreads over every connection and replies pipeline behind it.
+    fn chunks(&self, job: &Arc<Job>, pieces: Vec<Piece>) -> Vec<Chunk> {
+        let mut chunks = Vec::new();
+        let mut cur: Vec<Piece> = Vec::new();
+        let mut cur_bytes = 0u64;
+        let flush = |cur: &mut Vec<Piece>, cur_bytes: &mut u64, chunks: &mut Vec<Chunk>| {
+            if !cur.is_empty() {
+                chunks.push(Chunk {
+                    job: job.clone(),
+                    pieces: std::mem::take(cur),
+                    bytes: std::mem::take(cur_bytes),
+                    tag: 0,
+                });
+            }
+        };
+        for piece in pieces {
+            let mut done = 0u64;
+            let total = piece.remote.len;
+            while done < total {
+                let take = (total - done).min(self.chunk_bytes - cur_bytes);
+                let mut p = piece;
+                // SAFETY: done + take <= piece length, so the pointer stays in the checked range.
+                p.local.ptr = unsafe { piece.local.ptr.add(done as usize) };
+                p.local.len = take as usize;
+                p.remote.offset += done;
+                p.remote.len = take;
+                cur.push(p);
+                cur_bytes += take;
+                done += take;
+                if cur_bytes >= self.chunk_bytes || cur.len() >= MAX_ENTRIES as usize {
+                    flush(&mut cur, &mut cur_bytes, &mut chunks);
+                }
+            }
+        }
+        flush(&mut cur, &mut cur_bytes, &mut chunks);
+        chunks
+    }
+}
+
+impl Transport for TcpLink {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn submit(&self, pieces: Vec<Piece>, job: Arc<Job>) {
+        let chunks = self.chunks(&job, pieces);
+        job.expect_pieces(chunks.len());
+        for chunk in chunks {
+            let conn = self
+                .conns
+                .iter()
+                .filter(|c| c.alive.load(Ordering::Acquire))
+                .min_by_key(|c| c.outstanding.load(Ordering::Relaxed));
+            match conn {
+                Some(conn) => conn.enqueue(chunk),
+                None => chunk.job.piece_failed(Error::PeerClosed {
+                    peer: self.conns[0].peer.clone(),
+                }),
+            }
+        }
+    }
+
+    fn stats(&self) -> TransportStats {
+        TransportStats {
+            connections: self
+                .conns
+                .iter()
+                .filter(|c| c.alive.load(Ordering::Acquire))
+                .count(),
+            bytes: self
+                .conns
+                .iter()
+                .map(|c| c.moved.load(Ordering::Relaxed))
+                .sum(),
+        }
+    }
+}
+
+impl Drop for TcpLink {
+    fn drop(&mut self) {
+        for c in &self.conns {
+            c.close(Error::ShuttingDown);
+        }
+    }
+}
+
+impl Conn {
+    fn start(peer: String, stream: TcpStream) -> Result<Arc<Conn>> {
+        let reader = stream
+            .try_clone()
+            .map_err(|e| Error::io("clone tcp stream", e))?;
+        let conn = Arc::new(Conn {
+            peer,
+            stream,
+            queue: Mutex::default(),
+            wake: Condvar::new(),
+            pending: Mutex::default(),
+            alive: AtomicBool::new(true),
+            outstanding: AtomicU64::new(0),
+            moved: AtomicU64::new(0),
+            next_tag: AtomicU64::new(1),
+        });
+        let w = conn.clone();
+        thread::Builder::new()
+            .name("kvf-tcp-tx".into())
+            .spawn(move || w.write_loop())
+            .map_err(|e| Error::io("spawn tcp writer", e))?;
+        let r = conn.clone();
+        thread::Builder::new()
+            .name("kvf-tcp-rx".into())
+            .spawn(move || r.read_loop(reader))
+            .map_err(|e| Error::io("spawn tcp reader", e))?;
+        Ok(conn)
+    }
+
+    fn enqueue(&self, mut chunk: Chunk) {
+        chunk.tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
+        self.outstanding.fetch_add(chunk.bytes, Ordering::Relaxed);
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if q.closed {
+            drop(q);
+            chunk.job.piece_failed(Error::PeerClosed {
+                peer: self.peer.clone(),
+            });
+            return;
+        }
+        let small =
+            chunk.bytes as usize + chunk.pieces.len() * ENTRY_LEN + HEADER_LEN <= INLINE_MAX;
+        if q.busy || !q.items.is_empty() || !small {
+            q.items.push_back(Work::Chunk(chunk));
+            drop(q);
+            self.wake.notify_one();
+            return;
+        }
+        q.busy = true;
+        drop(q);
+        self.write_inline(chunk);
+    }
+
+    fn write_inline(&self, chunk: Chunk) {
+        let chunk = self.await_reply(chunk);
+        let mut bytes = Vec::new();
+        encode_head(&chunk, &mut bytes);
+        if chunk.job.opcode == Opcode::Write {
+            for p in &chunk.pieces {
+                // SAFETY: the job leases every local region for as long as the chunk exists.
+                bytes.extend_from_slice(unsafe { p.local.as_slice() });
+            }
+            bytes.extend_from_slice(&crc_trailer(&chunk));
+        }
+        // Never block the submitter (it may be an async task): what the socket does not take
+        // now goes to the writer thread, ahead of anything queued meanwhile.
+        let sent = match send(
+            &self.stream,
+            &bytes,
+            SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+        ) {
+            Ok(n) => Ok(n),
+            Err(e) if e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::INTR => Ok(0),
+            Err(e) => Err(std::io::Error::from(e)),
+        };
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        q.busy = false;
+        match sent {
+            Ok(n) if n == bytes.len() => {}
+            Ok(n) => q.items.push_front(Work::Tail(bytes.split_off(n))),
+            Err(e) => {
+                drop(q);
+                self.close(closed_or_io(e, &self.peer));
+                return;
+            }
+        }
+        let wake = !q.items.is_empty();
+        drop(q);
+        if wake {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Registers a chunk as awaiting its reply; must happen before its first byte is sent.
+    fn await_reply(&self, chunk: Chunk) -> Arc<Chunk> {
+        let chunk = Arc::new(chunk);
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(chunk.clone());
+        chunk
+    }
+
+    fn next_work(&self) -> Option<Work> {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if q.closed {
+                return None;
+            }
+            if !q.busy
+                && let Some(w) = q.items.pop_front()
+            {
+                q.busy = true;
+                return Some(w);
+            }
+            q = self.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn write_loop(self: Arc<Self>) {
+        let mut stream = &self.stream;
+        let mut head = Vec::new();
+        while let Some(work) = self.next_work() {
+            let written = match work {
+                Work::Tail(bytes) => stream.write_all(&bytes),
+                Work::Chunk(chunk) if chunk.job.is_cancelled() => {
+                    self.outstanding.fetch_sub(chunk.bytes, Ordering::Relaxed);
+                    chunk.job.piece_failed(Error::Cancelled {
+                        batch: chunk.job.id,
+                    });
+                    Ok(())
+                }
+                Work::Chunk(chunk) => {
+                    let chunk = self.await_reply(chunk);
+                    write_chunk(&mut stream, &chunk, &mut head)
+                }
+            };
+            self.queue.lock().unwrap_or_else(|e| e.into_inner()).busy = false;
+            if let Err(e) = written {
+                self.close(closed_or_io(e, &self.peer));
+                return;
+            }
+        }
+    }
+
+    fn read_loop(self: Arc<Self>, mut stream: TcpStream) {
+        let mut scratch = Vec::new();
+        loop {
+            if let Err(err) = self.read_reply(&mut stream, &mut scratch) {
+                if !matches!(err, Error::ShuttingDown) {
+                    debug!(peer = %self.peer, error = %err, "tcp connection closed");
+                }
+                self.close(err);
+                return;
+            }
+        }
+    }
+
+    /// Reads one reply and completes its chunk. An error here is fatal for the connection.
+    fn read_reply(&self, stream: &mut TcpStream, scratch: &mut Vec<u8>) -> Result<()> {
+        let h = read_header(stream, &self.peer).map_err(|e| {
+            if self.alive.load(Ordering::Acquire) {
+                e
+            } else {
+                Error::ShuttingDown
+            }
+        })?;
+        let chunk = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop_front()
+            .ok_or(FrameError::Unexpected {
+                kind: h.kind,
+                expected: "no reply (nothing outstanding)",
+            })?;
+        self.outstanding.fetch_sub(chunk.bytes, Ordering::Relaxed);
+        if h.tag != chunk.tag {
+            chunk.job.piece_failed(Error::PeerClosed {
+                peer: self.peer.clone(),
+            });
+            return Err(FrameError::TagMismatch {
+                expected: chunk.tag,
+                found: h.tag,
+            }
+            .into());
+        }
+        let expected = match chunk.job.opcode {
+            Opcode::Write => FrameKind::Ack,
+            Opcode::Read => FrameKind::ReadData,
+        };
+        if h.kind != expected {
+            chunk.job.piece_failed(Error::PeerClosed {
+                peer: self.peer.clone(),
+            });
+            return Err(FrameError::Unexpected {
+                kind: h.kind,
+                expected: "the reply to the oldest outstanding chunk",
+            }
+            .into());
+        }
+        if h.has(FLAG_ERROR) {
+            let err = read_remote_error(stream, &h, &self.peer)?;
+            chunk.job.piece_failed(err);
+            return Ok(());
+        }
+        if h.kind == FrameKind::Ack {
+            self.moved.fetch_add(chunk.bytes, Ordering::Relaxed);
+            chunk.job.piece_done(chunk.bytes);
+            return Ok(());
+        }
+        if h.len != chunk.bytes || h.count as usize != chunk.pieces.len() {
+            chunk.job.piece_failed(Error::PeerClosed {
+                peer: self.peer.clone(),
+            });
+            return Err(FrameError::LengthMismatch {
+                claimed: h.len,
+                actual: chunk.bytes,
+            }
+            .into());
+        }
+        let io = |e| closed_or_io(e, &self.peer);
+        if chunk.job.is_cancelled() {
+            // The caller has moved on; keep the stream in step without touching its memory.
+            discard(stream, h.len, scratch).map_err(io)?;
+            if h.has(FLAG_CRC) {
+                discard(stream, h.count as u64 * 4, scratch).map_err(io)?;
+            }
+            chunk.job.piece_failed(Error::Cancelled {
+                batch: chunk.job.id,
+            });
+            return Ok(());
+        }
+        {
+            let mut bufs: Vec<IoSliceMut<'_>> = chunk
+                .pieces
+                .iter()
+                // SAFETY: the job leases the local regions; read destinations were checked
+                // disjoint when the batch was submitted, so nothing else writes here.
+                .map(|p| IoSliceMut::new(unsafe { p.local.as_mut_slice() }))
+                .collect();
+            read_exact_vectored(stream, &mut bufs).map_err(io)?;
+        }
+        if chunk.job.checksum {
+            if !h.has(FLAG_CRC) {
+                chunk.job.piece_failed(Error::Frame(FrameError::Body {
+                    what: "read data",
+                    reason: "checksum requested but none sent".into(),
+                }));
+                return Ok(());
+            }
+            let mut raw = vec![0u8; h.count as usize * 4];
+            stream.read_exact(&mut raw).map_err(io)?;
+            let crcs = decode_crcs(h.count, &raw)?;
+            for (p, expected) in chunk.pieces.iter().zip(crcs) {
+                // SAFETY: leased and just filled by this thread.
+                let computed = crc32c::crc32c(unsafe { p.local.as_slice() });
+                if computed != expected {
+                    chunk.job.piece_failed(Error::Checksum {
+                        op: p.op,
+                        expected,
+                        computed,
+                    });
+                    return Ok(());
+                }
+            }
+        } else if h.has(FLAG_CRC) {
+            discard(stream, h.count as u64 * 4, scratch).map_err(io)?;
+        }
+        self.moved.fetch_add(chunk.bytes, Ordering::Relaxed);
+        chunk.job.piece_done(chunk.bytes);
+        Ok(())
+    }
+
+    /// Marks the connection dead and fails everything queued or outstanding on it.
+    fn close(&self, err: Error) {
+        if self.alive.swap(false, Ordering::AcqRel) && !matches!(err, Error::ShuttingDown) {
+            warn!(peer = %self.peer, error = %err, "tcp data connection lost");
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+        let queued: Vec<Chunk> = {
+            let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.closed = true;
+            q.items
+                .drain(..)
+                .filter_map(|w| match w {
+                    Work::Chunk(c) => Some(c),
+                    Work::Tail(_) => None,
+                })
+                .collect()
+        };
+        self.wake.notify_all();
+        let pending: Vec<Arc<Chunk>> = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        for c in queued {
+            c.job.piece_failed(err.duplicate());
+        }
+        for c in pending {
+            c.job.piece_failed(err.duplicate());
+        }
+    }
+}
+
+/// Header and manifest of a chunk.
+fn encode_head(chunk: &Chunk, out: &mut Vec<u8>) {
+    let kind = match chunk.job.opcode {
+        Opcode::Write => FrameKind::WriteManifest,
+        Opcode::Read => FrameKind::ReadManifest,
+    };
+    let flags = if chunk.job.checksum { FLAG_CRC } else { 0 };
+    let header =
+        Header::new(kind, chunk.tag, chunk.pieces.len() as u32, chunk.bytes).with_flags(flags);
+    out.clear();
+    out.reserve(HEADER_LEN + chunk.pieces.len() * ENTRY_LEN);
+    out.extend_from_slice(&header.encode());
+    for p in &chunk.pieces {
+        p.remote.encode_into(out);
+    }
+}
+
+/// crc32c of every piece of a write chunk, when the batch asked for checksums.
+fn crc_trailer(chunk: &Chunk) -> Vec<u8> {
+    if !chunk.job.checksum {
+        return Vec::new();
+    }
+    chunk
+        .pieces
+        .iter()
+        // SAFETY: leased source; concurrent writers to a write's source are the caller's bug.
+        .flat_map(|p| crc32c::crc32c(unsafe { p.local.as_slice() }).to_le_bytes())
+        .collect()
+}
+
+/// Writes one chunk: header, manifest, then (for writes) every payload and the crc trailer.
+fn write_chunk(stream: &mut &TcpStream, chunk: &Chunk, head: &mut Vec<u8>) -> std::io::Result<()> {
+    encode_head(chunk, head);
+    if chunk.job.opcode == Opcode::Read {
+        return stream.write_all(head);
+    }
+    let trailer = crc_trailer(chunk);
+    let mut bufs: Vec<IoSlice<'_>> = Vec::with_capacity(chunk.pieces.len() + 2);
+    bufs.push(IoSlice::new(head));
+    // SAFETY: the job leases every local region for as long as the chunk exists.
+    bufs.extend(
+        chunk
+            .pieces
+            .iter()
+            .map(|p| IoSlice::new(unsafe { p.local.as_slice() })),
+    );
+    if !trailer.is_empty() {
+        bufs.push(IoSlice::new(&trailer));
+    }
+    write_all_vectored(stream, &mut bufs)
+}

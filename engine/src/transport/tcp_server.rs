@@ -1,0 +1,218 @@
+//! TCP, target side: one thread per data connection. Every manifest is checked in full (region,
+//! key, bounds, overlaps) before the first payload byte is read; a refused chunk's payload is read
+//! into scratch and dropped so the stream stays in step and the peer's next chunk still works.
+
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+
+use tracing::{debug, info};
+
+use super::io::{discard, read_exact_vectored, write_all_vectored};
+use crate::engine::Inner;
+use crate::error::{Error, Result, Side};
+use crate::frame::{FLAG_CRC, FrameError, FrameKind, Header, decode_crcs, decode_manifest};
+use crate::handshake::{self, closed_or_io, read_header, send_error};
+use crate::region::{Lease, RawRange};
+
+/// Largest refused payload we drain to keep a connection; past it we just close.
+const DISCARD_LIMIT: u64 = 1 << 32;
+
+pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String) {
+    let descriptor = inner.descriptor();
+    match handshake::server(&mut stream, &peer, &descriptor, inner.config.segment_key) {
+        Ok(hello) => info!(%peer, from = %hello.from, "tcp data connection accepted"),
+        Err(e) => {
+            info!(%peer, error = %e, "tcp handshake refused");
+            return;
+        }
+    }
+    let mut conn = ServerConn {
+        inner,
+        peer,
+        manifest: Vec::new(),
+        scratch: Vec::new(),
+    };
+    loop {
+        match conn.serve_one(&mut stream) {
+            Ok(()) => {}
+            Err(Error::PeerClosed { .. }) | Err(Error::ShuttingDown) => break,
+            Err(e) => {
+                // The stream can no longer be trusted to be in step: say why, then hang up.
+                info!(peer = %conn.peer, error = %e, "closing tcp data connection");
+                send_error(&mut stream, FrameKind::Ack, 0, &e);
+                break;
+            }
+        }
+    }
+    debug!(peer = %conn.peer, "tcp data connection closed");
+}
+
+struct ServerConn {
+    inner: Arc<Inner>,
+    peer: String,
+    manifest: Vec<u8>,
+    scratch: Vec<u8>,
+}
+
+/// A manifest that passed every check: the leases keep the memory alive while we use it.
+struct Checked {
+    ranges: Vec<RawRange>,
+    _leases: Vec<Lease>,
+}
+
+impl ServerConn {
+    fn serve_one(&mut self, s: &mut TcpStream) -> Result<()> {
+        let h = read_header(s, &self.peer)?;
+        match h.kind {
+            FrameKind::WriteManifest => self.write(s, &h),
+            FrameKind::ReadManifest => self.read(s, &h),
+            kind => Err(FrameError::Unexpected {
+                kind,
+                expected: "a WriteManifest or ReadManifest frame",
+            }
+            .into()),
+        }
+    }
+
+    fn entries(&mut self, s: &mut TcpStream, h: &Header) -> Result<Vec<crate::frame::Entry>> {
+        self.manifest.resize(h.manifest_len(), 0);
+        s.read_exact(&mut self.manifest)
+            .map_err(|e| closed_or_io(e, &self.peer))?;
+        Ok(decode_manifest(h, &self.manifest)?)
+    }
+
+    fn check(&self, entries: &[crate::frame::Entry], writes: bool) -> Result<Checked> {
+        let mut leases: Vec<Lease> = Vec::new();
+        let mut ranges = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            if e.len == 0 {
+                return Err(Error::ZeroLength { op: i });
+            }
+            let region = match leases.last() {
+                Some(l) if l.region().id() == e.region => {
+                    l.region().check_key(e.key, Side::Remote)?;
+                    l.region().clone()
+                }
+                _ => {
+                    let lease = self
+                        .inner
+                        .regions
+                        .lease_checked(e.region, e.key, Side::Remote)?;
+                    let r = lease.region().clone();
+                    leases.push(lease);
+                    r
+                }
+            };
+            ranges.push(region.range(i, "remote_offset", e.offset, e.len)?);
+        }
+        if writes {
+            let mut order: Vec<usize> = (0..entries.len()).collect();
+            order.sort_unstable_by_key(|&i| (entries[i].region, entries[i].offset));
+            for w in order.windows(2) {
+                let (a, b) = (&entries[w[0]], &entries[w[1]]);
+                if a.region == b.region && a.offset + a.len > b.offset {
+                    return Err(Error::OverlappingDestination {
+                        first: w[0].min(w[1]),
+                        second: w[0].max(w[1]),
+                        region: b.region,
+                        offset: b.offset,
+                    });
+                }
+            }
+        }
+        Ok(Checked {
+            ranges,
+            _leases: leases,
+        })
+    }
+
+    fn write(&mut self, s: &mut TcpStream, h: &Header) -> Result<()> {
+        let entries = self.entries(s, h)?;
+        let io = |e| closed_or_io(e, &self.peer);
+        let checked = match self.check(&entries, true) {
+            Ok(c) => c,
+            Err(refusal) => {
+                if h.len > DISCARD_LIMIT {
+                    return Err(refusal);
+                }
+                discard(s, h.len, &mut self.scratch).map_err(io)?;
+                if h.has(FLAG_CRC) {
+                    discard(s, h.count as u64 * 4, &mut self.scratch).map_err(io)?;
+                }
+                debug!(peer = %self.peer, error = %refusal, "write chunk refused");
+                send_error(s, FrameKind::Ack, h.tag, &refusal);
+                return Ok(());
+            }
+        };
+        {
+            let mut bufs: Vec<IoSliceMut<'_>> = checked
+                .ranges
+                .iter()
+                // SAFETY: leased, bounds-checked and pairwise disjoint (checked above).
+                .map(|r| IoSliceMut::new(unsafe { r.as_mut_slice() }))
+                .collect();
+            read_exact_vectored(s, &mut bufs).map_err(io)?;
+        }
+        if h.has(FLAG_CRC) {
+            let mut raw = vec![0u8; h.count as usize * 4];
+            s.read_exact(&mut raw).map_err(io)?;
+            let crcs = decode_crcs(h.count, &raw)?;
+            for (i, (r, expected)) in checked.ranges.iter().zip(crcs).enumerate() {
+                // SAFETY: leased; just written by this thread.
+                let computed = crc32c::crc32c(unsafe { r.as_slice() });
+                if computed != expected {
+                    let err = Error::Checksum {
+                        op: i,
+                        expected,
+                        computed,
+                    };
+                    send_error(s, FrameKind::Ack, h.tag, &err);
+                    return Ok(());
+                }
+            }
+        }
+        let ack = Header::new(FrameKind::Ack, h.tag, 0, 0);
+        s.write_all(&ack.encode()).map_err(io)
+    }
+
+    fn read(&mut self, s: &mut TcpStream, h: &Header) -> Result<()> {
+        let entries = self.entries(s, h)?;
+        let io = |e| closed_or_io(e, &self.peer);
+        let checked = match self.check(&entries, false) {
+            Ok(c) => c,
+            Err(refusal) => {
+                debug!(peer = %self.peer, error = %refusal, "read chunk refused");
+                send_error(s, FrameKind::ReadData, h.tag, &refusal);
+                return Ok(());
+            }
+        };
+        let crc = h.has(FLAG_CRC);
+        let reply = Header::new(FrameKind::ReadData, h.tag, h.count, h.len).with_flags(if crc {
+            FLAG_CRC
+        } else {
+            0
+        });
+        let head = reply.encode();
+        let mut trailer = Vec::new();
+        if crc {
+            for r in &checked.ranges {
+                // SAFETY: leased source range.
+                trailer.extend_from_slice(&crc32c::crc32c(unsafe { r.as_slice() }).to_le_bytes());
+            }
+        }
+        let mut bufs: Vec<IoSlice<'_>> = Vec::with_capacity(checked.ranges.len() + 2);
+        bufs.push(IoSlice::new(&head));
+        // SAFETY: leased, bounds-checked source ranges.
+        bufs.extend(
+            checked
+                .ranges
+                .iter()
+                .map(|r| IoSlice::new(unsafe { r.as_slice() })),
+        );
+        if crc {
+            bufs.push(IoSlice::new(&trailer));
+        }
+        write_all_vectored(s, &mut bufs).map_err(io)
+    }
+}
