@@ -106,7 +106,15 @@ pub(crate) fn server<S: Read + Write>(
     descriptor: &SegmentDescriptor,
     segment_key: Option<u64>,
 ) -> Result<Hello> {
-    let h = read_header(s, peer)?;
+    let h = match read_header(s, peer) {
+        Ok(h) => h,
+        Err(e) => {
+            if matches!(e, Error::Frame(_)) {
+                send_error(s, FrameKind::Welcome, 0, &e);
+            }
+            return Err(e);
+        }
+    };
     if h.kind != FrameKind::Hello {
         let err: Error = FrameError::Unexpected {
             kind: h.kind,

@@ -133,12 +133,12 @@ impl Region {
                 reason: "a region needs at least one byte",
             });
         }
-        let mapped_len = len.div_ceil(page_size()) * page_size();
         let fd = memfd_create("kvfabric-region", MemfdFlags::CLOEXEC)
             .map_err(|e| Error::io("memfd_create", e.into()))?;
-        rustix::fs::ftruncate(&fd, mapped_len)
-            .map_err(|e| Error::io(format!("ftruncate memfd to {mapped_len}"), e.into()))?;
-        let ptr = map_shared(fd.as_fd(), mapped_len)?;
+        // Exactly `len`: a peer that maps the fd sizes its bounds from the file, not from us.
+        rustix::fs::ftruncate(&fd, len)
+            .map_err(|e| Error::io(format!("ftruncate memfd to {len}"), e.into()))?;
+        let ptr = map_shared(fd.as_fd(), len)?;
         Ok(Region::new(
             id,
             Location::Host { numa: None },

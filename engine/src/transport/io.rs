@@ -1,6 +1,9 @@
 //! Blocking vectored I/O that finishes what it starts (std leaves partial reads/writes to us).
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
 
 pub(crate) fn write_all_vectored<W: Write>(
     w: &mut W,
@@ -50,4 +53,43 @@ pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
     let mut body = vec![0u8; len as usize];
     r.read_exact(&mut body)?;
     Ok(body)
+}
+
+/// A stream we can half-close and read with a timeout.
+pub(crate) trait Socket: Read {
+    fn shutdown_write(&self) -> io::Result<()>;
+    fn set_timeout(&self, t: Duration) -> io::Result<()>;
+}
+
+impl Socket for TcpStream {
+    fn shutdown_write(&self) -> io::Result<()> {
+        self.shutdown(Shutdown::Write)
+    }
+    fn set_timeout(&self, t: Duration) -> io::Result<()> {
+        self.set_read_timeout(Some(t))
+    }
+}
+
+impl Socket for UnixStream {
+    fn shutdown_write(&self) -> io::Result<()> {
+        self.shutdown(Shutdown::Write)
+    }
+    fn set_timeout(&self, t: Duration) -> io::Result<()> {
+        self.set_read_timeout(Some(t))
+    }
+}
+
+/// Closes after an error so that the error frame is not lost: closing with unread input makes
+/// the kernel send a reset, which discards what we just wrote. Bounded in time and bytes.
+pub(crate) fn hang_up<S: Socket>(s: &mut S) {
+    let _ = s.shutdown_write();
+    let _ = s.set_timeout(Duration::from_millis(500));
+    let mut scratch = vec![0u8; 1 << 16];
+    let mut left: usize = 16 << 20;
+    while left > 0 {
+        match s.read(&mut scratch) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => left = left.saturating_sub(n),
+        }
+    }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
 use tracing::info;
 
+use super::io::hang_up;
 use crate::engine::Inner;
 use crate::error::{Error, Result, Side};
 use crate::frame::{ENTRY_LEN, Entry, FrameError, FrameKind, Header};
@@ -21,6 +22,7 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: UnixStream, peer: String
         Ok(hello) => info!(%peer, from = %hello.from, "shm connection accepted"),
         Err(e) => {
             info!(%peer, error = %e, "shm handshake refused");
+            hang_up(&mut stream);
             return;
         }
     }
@@ -31,6 +33,7 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: UnixStream, peer: String
             Err(e) => {
                 info!(%peer, error = %e, "closing shm connection");
                 send_error(&mut stream, FrameKind::MapReply, 0, &e);
+                hang_up(&mut stream);
                 break;
             }
         }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tracing::{debug, info};
 
-use super::io::{discard, read_exact_vectored, write_all_vectored};
+use super::io::{discard, hang_up, read_exact_vectored, write_all_vectored};
 use crate::engine::Inner;
 use crate::error::{Error, Result, Side};
 use crate::frame::{FLAG_CRC, FrameError, FrameKind, Header, decode_crcs, decode_manifest};
@@ -24,6 +24,7 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String)
         Ok(hello) => info!(%peer, from = %hello.from, "tcp data connection accepted"),
         Err(e) => {
             info!(%peer, error = %e, "tcp handshake refused");
+            hang_up(&mut stream);
             return;
         }
     }
@@ -41,6 +42,7 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String)
                 // The stream can no longer be trusted to be in step: say why, then hang up.
                 info!(peer = %conn.peer, error = %e, "closing tcp data connection");
                 send_error(&mut stream, FrameKind::Ack, 0, &e);
+                hang_up(&mut stream);
                 break;
             }
         }

@@ -1,0 +1,123 @@
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvfabric_engine::frame::{FLAG_ERROR, FrameKind, HEADER_LEN, Header, Hello, PROTOCOL_VERSION};
+use kvfabric_engine::{Engine, EngineConfig, Region, RemoteError, SegmentDescriptor};
+use rand::rngs::SmallRng;
+use rand::{RngCore, SeedableRng};
+use tokio::sync::watch;
+
+/// An engine serving tcp and shm on fresh local endpoints, stopped when dropped.
+pub struct Target {
+    pub engine: Engine,
+    stop: watch::Sender<bool>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+pub fn config(name: &str) -> EngineConfig {
+    EngineConfig {
+        name: name.into(),
+        tcp_connections: 3,
+        // Small chunks so even modest batches spread over every connection.
+        chunk_bytes: 64 << 10,
+        batch_timeout: Duration::from_secs(20),
+        shm_parallel_min: 256 << 10,
+        ..EngineConfig::default()
+    }
+}
+
+pub async fn target(config: EngineConfig) -> Target {
+    let engine = Engine::new(config).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let uds = tokio::net::UnixListener::bind(dir.path().join("shm.sock")).unwrap();
+    let (stop, rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    tokio::spawn({
+        let e = engine.clone();
+        let s = stopped(rx.clone());
+        async move { e.serve_tcp(tcp, s).await }
+    });
+    tokio::spawn({
+        let e = engine.clone();
+        let s = stopped(rx);
+        async move { e.serve_shm(uds, s).await }
+    });
+    while engine.descriptor().endpoints.tcp.is_none() || engine.descriptor().endpoints.shm.is_none()
+    {
+        tokio::task::yield_now().await;
+    }
+    Target {
+        engine,
+        stop,
+        _dir: dir,
+    }
+}
+
+pub fn random_region(engine: &Engine, len: u64, seed: u64) -> Arc<Region> {
+    let r = engine.alloc(len).unwrap();
+    // SAFETY: new region, no transfers yet.
+    SmallRng::seed_from_u64(seed).fill_bytes(unsafe { r.as_mut_slice() });
+    r
+}
+
+/// A snapshot of a region's bytes.
+pub fn bytes(r: &Region) -> Vec<u8> {
+    // SAFETY: tests read only while no batch is in flight.
+    unsafe { r.as_slice() }.to_vec()
+}
+
+/// A raw data connection that has completed the handshake, for speaking the wire by hand.
+pub fn raw_connect(d: &SegmentDescriptor) -> TcpStream {
+    let mut s = TcpStream::connect(d.endpoints.tcp.unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let reply = raw_hello(&mut s, PROTOCOL_VERSION, &d.name, None);
+    assert_eq!(reply.0.kind, FrameKind::Welcome);
+    assert!(!reply.0.has(FLAG_ERROR), "handshake refused: {:?}", reply.1);
+    s
+}
+
+pub fn raw_hello(
+    s: &mut TcpStream,
+    protocol: u32,
+    segment: &str,
+    key: Option<u64>,
+) -> (Header, Vec<u8>) {
+    let hello = Hello {
+        protocol,
+        segment: segment.into(),
+        key,
+        from: "raw-test".into(),
+    };
+    let body = serde_json::to_vec(&hello).unwrap();
+    s.write_all(&Header::new(FrameKind::Hello, 0, 0, body.len() as u64).encode())
+        .unwrap();
+    s.write_all(&body).unwrap();
+    read_frame(s)
+}
+
+/// Reads one control-style frame (header plus `len` body bytes).
+pub fn read_frame(s: &mut TcpStream) -> (Header, Vec<u8>) {
+    let mut h = [0u8; HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let h = Header::decode(&h).unwrap();
+    let mut body = vec![0u8; h.len as usize];
+    s.read_exact(&mut body).unwrap();
+    (h, body)
+}
+
+pub fn remote_error(body: &[u8]) -> RemoteError {
+    serde_json::from_slice(body).unwrap()
+}
