@@ -1,0 +1,309 @@
+//! The generated schema holds the validation the apiserver must apply: required fields, enums,
+//! ranges, list-map markers and the CEL rules; the CEL rules are evaluated here with kube's
+//! client-side CEL validator, so a typo in a rule fails a test rather than a cluster.
+
+use kube::CustomResourceExt;
+use kube::core::cel::Validator;
+use kvfabric_crds::TransferFabric;
+use serde_json::{Value, json};
+
+fn schema() -> Value {
+    let crd = TransferFabric::crd();
+    assert_eq!(crd.spec.versions.len(), 1);
+    let v = &crd.spec.versions[0];
+    serde_json::to_value(
+        v.schema
+            .as_ref()
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .expect("schema"),
+    )
+    .expect("json")
+}
+
+fn at<'a>(v: &'a Value, path: &str) -> &'a Value {
+    let mut cur = v;
+    for part in path.split('.') {
+        cur = match part.parse::<usize>() {
+            Ok(i) => &cur[i],
+            Err(_) => &cur[part],
+        };
+    }
+    cur
+}
+
+fn required(v: &Value, path: &str) -> Vec<String> {
+    at(v, path)["required"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{path} has no required list"))
+        .iter()
+        .map(|s| s.as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+#[test]
+fn names_scope_and_printer_columns() {
+    let crd = TransferFabric::crd();
+    assert_eq!(
+        crd.metadata.name.as_deref(),
+        Some("transferfabrics.kvfabric.io")
+    );
+    assert_eq!(crd.spec.group, "kvfabric.io");
+    assert_eq!(crd.spec.scope, "Namespaced");
+    assert_eq!(crd.spec.names.kind, "TransferFabric");
+    assert_eq!(crd.spec.names.short_names, Some(vec!["tf".to_owned()]));
+    let v = &crd.spec.versions[0];
+    assert_eq!(v.name, "v1alpha1");
+    assert!(v.served && v.storage);
+    assert!(
+        v.subresources
+            .as_ref()
+            .and_then(|s| s.status.as_ref())
+            .is_some()
+    );
+    let cols: Vec<_> = v
+        .additional_printer_columns
+        .as_ref()
+        .expect("columns")
+        .iter()
+        .map(|c| (c.name.as_str(), c.json_path.as_str()))
+        .collect();
+    assert_eq!(
+        cols,
+        vec![
+            ("Pools", ".spec.pools[*].name"),
+            ("Ready", ".status.conditions[?(@.type==\"Ready\")].status"),
+            ("Age", ".metadata.creationTimestamp"),
+        ]
+    );
+}
+
+#[test]
+fn required_fields() {
+    let s = schema();
+    assert!(required(&s, "properties.spec").contains(&"pools".to_owned()));
+    assert!(required(&s, "properties.spec").contains(&"agent".to_owned()));
+    assert!(required(&s, "properties.spec").contains(&"etcd".to_owned()));
+    assert_eq!(
+        required(&s, "properties.spec.properties.agent"),
+        vec!["image"]
+    );
+    assert_eq!(
+        required(&s, "properties.spec.properties.etcd"),
+        vec!["endpoints"]
+    );
+    assert!(required(&s, "properties.spec.properties.pools.items").contains(&"name".to_owned()));
+    assert_eq!(
+        required(&s, "properties.spec.properties.agent.properties.rdma"),
+        vec!["resourceName"]
+    );
+    // Required fields carry no default, or the apiserver would fill them in.
+    for p in [
+        "properties.spec.properties.agent",
+        "properties.spec.properties.etcd",
+        "properties.spec.properties.pools",
+        "properties.spec.properties.agent.properties.image",
+        "properties.spec.properties.etcd.properties.endpoints",
+    ] {
+        assert!(at(&s, p).get("default").is_none(), "{p} has a default");
+    }
+}
+
+#[test]
+fn enums() {
+    let s = schema();
+    let spec = "properties.spec.properties";
+    assert_eq!(
+        at(&s, &format!("{spec}.transports.items.enum")),
+        &json!(["rdma", "cuda-ipc", "shm", "tcp"])
+    );
+    assert_eq!(
+        at(&s, &format!("{spec}.pools.items.properties.role.enum")),
+        &json!(["Prefill", "Decode", "Both"])
+    );
+    assert_eq!(
+        at(&s, &format!("{spec}.agent.properties.imagePullPolicy.enum")),
+        &json!(["Always", "IfNotPresent", "Never"])
+    );
+    assert_eq!(
+        at(
+            &s,
+            &format!("{spec}.agent.properties.shm.properties.medium.enum")
+        ),
+        &json!(["Memory", "HostPath"])
+    );
+}
+
+#[test]
+fn ranges_and_sizes() {
+    let s = schema();
+    let spec = "properties.spec.properties";
+    assert_eq!(
+        at(
+            &s,
+            &format!("{spec}.agent.properties.rdma.properties.count.minimum")
+        ),
+        &json!(1.0)
+    );
+    assert_eq!(
+        at(
+            &s,
+            &format!("{spec}.tracing.properties.sampleRatio.minimum")
+        ),
+        &json!(0.0)
+    );
+    assert_eq!(
+        at(
+            &s,
+            &format!("{spec}.tracing.properties.sampleRatio.maximum")
+        ),
+        &json!(1.0)
+    );
+    assert_eq!(at(&s, &format!("{spec}.pools.minItems")), &json!(1));
+    assert_eq!(at(&s, &format!("{spec}.pools.maxItems")), &json!(32));
+    assert_eq!(
+        at(&s, &format!("{spec}.pools.items.properties.name.maxLength")),
+        &json!(40)
+    );
+    assert_eq!(at(&s, &format!("{spec}.transports.minItems")), &json!(1));
+    assert_eq!(at(&s, &format!("{spec}.transports.maxItems")), &json!(4));
+    assert_eq!(
+        at(&s, &format!("{spec}.etcd.properties.endpoints.minItems")),
+        &json!(1)
+    );
+    assert_eq!(
+        at(&s, &format!("{spec}.agent.properties.image.minLength")),
+        &json!(1)
+    );
+}
+
+#[test]
+fn defaults() {
+    let s = schema();
+    let spec = "properties.spec.properties";
+    assert_eq!(
+        at(&s, &format!("{spec}.etcd.properties.keyPrefix.default")),
+        &json!("/kvfabric")
+    );
+    let gpu = format!("{spec}.agent.properties.gpu.properties");
+    assert_eq!(
+        at(&s, &format!("{gpu}.runtimeClassName.default")),
+        &json!("nvidia")
+    );
+    assert_eq!(
+        at(&s, &format!("{gpu}.visibleDevices.default")),
+        &json!("all")
+    );
+    assert_eq!(at(&s, &format!("{gpu}.enabled.default")), &json!(false));
+    assert_eq!(
+        at(&s, &format!("{spec}.agent.properties.socketDir.default")),
+        &json!("/var/run/kvfabric")
+    );
+    assert_eq!(
+        at(&s, &format!("{spec}.agent.properties.hostIPC.default")),
+        &json!(false)
+    );
+}
+
+#[test]
+fn status_conditions_are_a_map_list_keyed_on_type() {
+    let s = schema();
+    let c = at(&s, "properties.status.properties.conditions");
+    assert_eq!(c["x-kubernetes-list-type"], json!("map"));
+    assert_eq!(c["x-kubernetes-list-map-keys"], json!(["type"]));
+    let item = &c["items"]["properties"];
+    for f in [
+        "type",
+        "status",
+        "reason",
+        "message",
+        "lastTransitionTime",
+        "observedGeneration",
+    ] {
+        assert!(item.get(f).is_some(), "condition lacks {f}");
+    }
+    assert!(at(&s, "properties.status.properties.observedGeneration").is_object());
+    let pools = at(&s, "properties.status.properties.pools.items.properties");
+    for f in ["name", "desired", "ready"] {
+        assert!(pools.get(f).is_some(), "pool status lacks {f}");
+    }
+}
+
+#[test]
+fn cel_rules_are_present() {
+    let s = schema();
+    let rules: Vec<&str> = at(&s, "properties.spec.x-kubernetes-validations")
+        .as_array()
+        .expect("rules")
+        .iter()
+        .map(|r| r["rule"].as_str().expect("rule"))
+        .collect();
+    assert!(rules.contains(&"size(self.pools) >= 1"));
+    assert!(
+        rules
+            .iter()
+            .any(|r| r.contains("exists_one(q, q.name == p.name)"))
+    );
+    assert!(rules.iter().any(|r| r.contains("p.name.matches(")));
+    assert!(
+        rules
+            .iter()
+            .any(|r| r.contains("self.transports.exists_one(u, u == t)"))
+    );
+}
+
+fn good() -> Value {
+    json!({
+        "apiVersion": "kvfabric.io/v1alpha1",
+        "kind": "TransferFabric",
+        "metadata": {"name": "tf", "namespace": "ns"},
+        "spec": {
+            "pools": [{"name": "prefill", "role": "Prefill"}, {"name": "decode", "role": "Decode"}],
+            "agent": {"image": "kvfabric/agent:0.1.0"},
+            "transports": ["rdma", "tcp"],
+            "etcd": {"endpoints": ["http://etcd:2379"]}
+        }
+    })
+}
+
+fn cel(obj: &Value) -> Result<(), String> {
+    Validator::new()
+        .validate(&schema(), obj, None)
+        .map_err(|e| format!("{e:?}"))
+}
+
+#[test]
+fn cel_accepts_a_good_fabric() {
+    cel(&good()).expect("valid");
+}
+
+#[test]
+fn cel_rejects_duplicate_pool_names() {
+    let mut o = good();
+    o["spec"]["pools"][1]["name"] = json!("prefill");
+    let err = cel(&o).expect_err("duplicate pools must fail");
+    assert!(err.contains("pool names must be unique"), "{err}");
+}
+
+#[test]
+fn cel_rejects_no_pools() {
+    let mut o = good();
+    o["spec"]["pools"] = json!([]);
+    let err = cel(&o).expect_err("empty pools must fail");
+    assert!(err.contains("at least one pool"), "{err}");
+}
+
+#[test]
+fn cel_rejects_non_dns_pool_names() {
+    let mut o = good();
+    o["spec"]["pools"][0]["name"] = json!("Pre_fill");
+    let err = cel(&o).expect_err("bad name must fail");
+    assert!(err.contains("DNS labels"), "{err}");
+}
+
+#[test]
+fn cel_rejects_duplicate_transports() {
+    let mut o = good();
+    o["spec"]["transports"] = json!(["tcp", "tcp"]);
+    let err = cel(&o).expect_err("duplicate transports must fail");
+    assert!(err.contains("transports must be unique"), "{err}");
+}

@@ -1,0 +1,215 @@
+//! The `kvfabric.io/registry-cleanup` finalizer: when a fabric is deleted, its registry keys in
+//! etcd go with it, so a fabric recreated under the same name does not see ghost segments.
+
+use std::fmt::Debug;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::{Error, Result};
+
+/// Finalizer on every `TransferFabric`.
+pub const FINALIZER: &str = "kvfabric.io/registry-cleanup";
+
+/// Deletes a key prefix from the registry. A trait so tests can inject a fake instead of etcd.
+pub trait RegistryCleaner: Send + Sync + Debug {
+    /// Deletes every key under `prefix`, returning how many were deleted.
+    fn delete_prefix<'a>(
+        &'a self,
+        endpoints: &'a [String],
+        prefix: &'a str,
+    ) -> BoxFuture<'a, Result<u64>>;
+}
+
+/// The production cleaner: the `etcd-client` crate, plain connections.
+#[derive(Debug, Clone)]
+pub struct EtcdCleaner {
+    /// Limit on connecting and on each request.
+    pub timeout: Duration,
+}
+
+impl RegistryCleaner for EtcdCleaner {
+    fn delete_prefix<'a>(
+        &'a self,
+        endpoints: &'a [String],
+        prefix: &'a str,
+    ) -> BoxFuture<'a, Result<u64>> {
+        Box::pin(async move {
+            let fail = |e: etcd_client::Error| Error::Registry {
+                endpoints: endpoints.to_vec(),
+                prefix: prefix.to_owned(),
+                message: e.to_string(),
+            };
+            let options = etcd_client::ConnectOptions::new()
+                .with_connect_timeout(self.timeout)
+                .with_timeout(self.timeout);
+            let mut client = etcd_client::Client::connect(endpoints, Some(options))
+                .await
+                .map_err(fail)?;
+            let resp = client
+                .delete(
+                    prefix,
+                    Some(etcd_client::DeleteOptions::new().with_prefix()),
+                )
+                .await
+                .map_err(fail)?;
+            Ok(u64::try_from(resp.deleted()).unwrap_or(0))
+        })
+    }
+}
+
+/// How hard cleanup tries before giving up. Deletion must not hang forever on an etcd that is
+/// gone for good, so after `attempts` the finalizer is removed anyway (with a `Degraded`
+/// condition and a Warning event saying which keys may be left behind).
+#[derive(Debug, Clone)]
+pub struct CleanupPolicy {
+    /// Attempts before giving up (at least 1).
+    pub attempts: u32,
+    /// Limit of each attempt.
+    pub timeout: Duration,
+    /// Pause between attempts, doubled after each failure.
+    pub backoff: Duration,
+}
+
+impl Default for CleanupPolicy {
+    fn default() -> Self {
+        Self {
+            attempts: 3,
+            timeout: Duration::from_secs(5),
+            backoff: Duration::from_millis(500),
+        }
+    }
+}
+
+/// The registry prefix of one fabric: `<keyPrefix>/<fabric>/`. The trailing slash keeps fabric
+/// `a` from deleting fabric `ab`'s keys.
+pub fn registry_prefix(key_prefix: &str, fabric: &str) -> String {
+    format!("{}/{fabric}/", key_prefix.trim_end_matches('/'))
+}
+
+/// Runs the cleaner up to `policy.attempts` times; the last error if all fail.
+pub async fn clean_registry(
+    cleaner: &dyn RegistryCleaner,
+    policy: &CleanupPolicy,
+    endpoints: &[String],
+    prefix: &str,
+) -> Result<u64> {
+    let attempts = policy.attempts.max(1);
+    let mut pause = policy.backoff;
+    let mut last = None;
+    for attempt in 1..=attempts {
+        match tokio::time::timeout(policy.timeout, cleaner.delete_prefix(endpoints, prefix)).await {
+            Ok(Ok(n)) => return Ok(n),
+            Ok(Err(e)) => {
+                tracing::warn!(attempt, attempts, error = %e, "registry cleanup failed");
+                last = Some(e);
+            }
+            Err(_) => {
+                tracing::warn!(attempt, attempts, "registry cleanup timed out");
+                last = Some(Error::Registry {
+                    endpoints: endpoints.to_vec(),
+                    prefix: prefix.to_owned(),
+                    message: format!("timed out after {:?}", policy.timeout),
+                });
+            }
+        }
+        if attempt < attempts {
+            tokio::time::sleep(pause).await;
+            pause = pause.saturating_mul(2);
+        }
+    }
+    Err(last.unwrap_or_else(|| Error::Registry {
+        endpoints: endpoints.to_vec(),
+        prefix: prefix.to_owned(),
+        message: "no attempt was made".to_owned(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[test]
+    fn prefix_has_trailing_slash_and_no_double_slash() {
+        assert_eq!(registry_prefix("/kvfabric", "tf"), "/kvfabric/tf/");
+        assert_eq!(registry_prefix("/kvfabric/", "tf"), "/kvfabric/tf/");
+    }
+
+    #[derive(Debug, Default)]
+    struct Flaky {
+        fail_first: u32,
+        calls: Mutex<u32>,
+    }
+
+    impl RegistryCleaner for Flaky {
+        fn delete_prefix<'a>(&'a self, e: &'a [String], p: &'a str) -> BoxFuture<'a, Result<u64>> {
+            Box::pin(async move {
+                let mut n = self.calls.lock().expect("lock");
+                *n += 1;
+                if *n <= self.fail_first {
+                    Err(Error::Registry {
+                        endpoints: e.to_vec(),
+                        prefix: p.into(),
+                        message: "down".into(),
+                    })
+                } else {
+                    Ok(7)
+                }
+            })
+        }
+    }
+
+    fn policy() -> CleanupPolicy {
+        CleanupPolicy {
+            attempts: 3,
+            timeout: Duration::from_millis(100),
+            backoff: Duration::ZERO,
+        }
+    }
+
+    #[tokio::test]
+    async fn retries_until_success() {
+        let c = Flaky {
+            fail_first: 2,
+            ..Flaky::default()
+        };
+        let n = clean_registry(&c, &policy(), &["http://e:2379".into()], "/k/tf/")
+            .await
+            .expect("ok");
+        assert_eq!(n, 7);
+        assert_eq!(*c.calls.lock().expect("lock"), 3);
+    }
+
+    #[tokio::test]
+    async fn gives_up_after_the_bound() {
+        let c = Flaky {
+            fail_first: 99,
+            ..Flaky::default()
+        };
+        let e = clean_registry(&c, &policy(), &["http://e:2379".into()], "/k/tf/")
+            .await
+            .expect_err("fails");
+        assert_eq!(*c.calls.lock().expect("lock"), 3);
+        assert!(e.to_string().contains("http://e:2379"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn real_etcd_client_fails_fast_on_a_closed_port() {
+        // Nothing listens on port 1 of loopback: the real client must error, not hang.
+        let c = EtcdCleaner {
+            timeout: Duration::from_millis(300),
+        };
+        let p = CleanupPolicy {
+            attempts: 2,
+            timeout: Duration::from_secs(2),
+            backoff: Duration::ZERO,
+        };
+        let started = std::time::Instant::now();
+        let e = clean_registry(&c, &p, &["http://127.0.0.1:1".into()], "/kvfabric/tf/")
+            .await
+            .expect_err("fails");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(matches!(e, Error::Registry { .. }), "{e}");
+    }
+}

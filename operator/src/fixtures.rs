@@ -1,0 +1,136 @@
+//! Test objects shared by the unit and mocked-API tests.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+    ResourceRequirements, Toleration,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::ObjectMeta;
+use kvfabric_crds::{
+    AgentSpec, EtcdSpec, GpuSpec, Pool, PoolRole, PullPolicy, RdmaSpec, ShmMedium, ShmSpec,
+    TracingSpec, TransferFabric, TransferFabricSpec, Transport,
+};
+
+pub const NS: &str = "llm";
+pub const NAME: &str = "tf";
+pub const UID: &str = "0b7b4b52-7c8e-4ac7-9a56-6d0c5bb0f1a0";
+
+/// A fabric with every optional field set.
+pub fn full() -> TransferFabric {
+    let mut f = TransferFabric::new(
+        NAME,
+        TransferFabricSpec {
+            pools: vec![
+                Pool {
+                    name: "prefill".into(),
+                    role: PoolRole::Prefill,
+                    node_selector: BTreeMap::from([("kvfabric.io/role".into(), "prefill".into())]),
+                    tolerations: vec![Toleration {
+                        key: Some("nvidia.com/gpu".into()),
+                        operator: Some("Exists".into()),
+                        effect: Some("NoSchedule".into()),
+                        ..Toleration::default()
+                    }],
+                    affinity: Some(Affinity {
+                        node_affinity: Some(NodeAffinity {
+                            required_during_scheduling_ignored_during_execution: Some(
+                                NodeSelector {
+                                    node_selector_terms: vec![NodeSelectorTerm {
+                                        match_expressions: Some(vec![NodeSelectorRequirement {
+                                            key: "nvidia.com/gpu.present".into(),
+                                            operator: "In".into(),
+                                            values: Some(vec!["true".into()]),
+                                        }]),
+                                        ..NodeSelectorTerm::default()
+                                    }],
+                                },
+                            ),
+                            ..NodeAffinity::default()
+                        }),
+                        ..Affinity::default()
+                    }),
+                },
+                Pool {
+                    name: "decode".into(),
+                    role: PoolRole::Decode,
+                    ..Pool::default()
+                },
+            ],
+            agent: AgentSpec {
+                image: "ghcr.io/example/kvfabric-agent:0.1.0".into(),
+                image_pull_policy: Some(PullPolicy::IfNotPresent),
+                resources: Some(ResourceRequirements {
+                    requests: Some(BTreeMap::from([("cpu".into(), Quantity("500m".into()))])),
+                    limits: Some(BTreeMap::from([("memory".into(), Quantity("2Gi".into()))])),
+                    ..ResourceRequirements::default()
+                }),
+                host_network: true,
+                host_ipc: true,
+                env: vec![EnvVar {
+                    name: "RUST_LOG".into(),
+                    value: Some("debug".into()),
+                    ..EnvVar::default()
+                }],
+                priority_class_name: Some("system-node-critical".into()),
+                rdma: Some(RdmaSpec {
+                    resource_name: "rdma/hca_shared_devices_a".into(),
+                    count: 2,
+                }),
+                networks: vec!["sriov-net-a".into(), "sriov-net-b".into()],
+                gpu: GpuSpec {
+                    enabled: true,
+                    runtime_class_name: "nvidia".into(),
+                    visible_devices: "all".into(),
+                },
+                shm: ShmSpec {
+                    medium: ShmMedium::Memory,
+                    size_limit: "8Gi".into(),
+                    host_path: "/dev/shm".into(),
+                },
+                socket_dir: "/var/run/kvfabric".into(),
+            },
+            transports: vec![Transport::Rdma, Transport::CudaIpc, Transport::Tcp],
+            etcd: EtcdSpec {
+                endpoints: vec!["http://etcd-0:2379".into(), "http://etcd-1:2379".into()],
+                tls_secret: Some("etcd-tls".into()),
+                auth_secret: Some("etcd-auth".into()),
+                key_prefix: "/kvfabric".into(),
+            },
+            tracing: Some(TracingSpec {
+                otlp_endpoint: Some("http://otel-collector:4317".into()),
+                sample_ratio: 0.25,
+            }),
+        },
+    );
+    f.metadata = ObjectMeta {
+        name: Some(NAME.into()),
+        namespace: Some(NS.into()),
+        uid: Some(UID.into()),
+        generation: Some(1),
+        ..ObjectMeta::default()
+    };
+    f
+}
+
+/// A fabric with only what is required.
+pub fn minimal() -> TransferFabric {
+    let mut f = full();
+    f.spec.pools[0] = Pool {
+        name: "prefill".into(),
+        role: PoolRole::Prefill,
+        ..Pool::default()
+    };
+    f.spec.agent = AgentSpec {
+        image: "ghcr.io/example/kvfabric-agent:0.1.0".into(),
+        ..AgentSpec::default()
+    };
+    f.spec.etcd = EtcdSpec {
+        endpoints: vec!["http://etcd:2379".into()],
+        ..EtcdSpec::default()
+    };
+    f.spec.tracing = None;
+    f.spec.transports = Transport::KNOWN.to_vec();
+    f
+}

@@ -1,0 +1,153 @@
+//! kvfabric-operator binary: parse config, start the HTTP server, check the CRD, take the Lease,
+//! run the controller until SIGTERM/SIGINT.
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use kvfabric_operator::config::{Config, Settings};
+use kvfabric_operator::metrics::Metrics;
+use kvfabric_operator::reconcile::{Context, check_crd_installed, run_controller};
+use kvfabric_operator::server::{Health, Phase, serve};
+use kvfabric_operator::{Error, Result, leader};
+use tokio::sync::watch;
+
+/// sysexits EX_USAGE: the command line or environment is wrong.
+const EXIT_CONFIG: u8 = 64;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let config = match Config::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            // --help / --version
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let settings = match config.settings() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvfabric-operator: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&settings.log_level))
+        .init();
+    match run(settings).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "exiting");
+            eprintln!("kvfabric-operator: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn shutdown_signal() -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term => {}
+        }
+        tracing::info!("shutdown signal received");
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+async fn on(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+async fn run(settings: Settings) -> Result<()> {
+    let stop = shutdown_signal();
+    let metrics = Arc::new(Metrics::default());
+    let health = Health::new(metrics.clone());
+    let server = tokio::spawn(serve(
+        settings.metrics_addr,
+        health.clone(),
+        on(stop.clone()),
+    ));
+
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| Error::kube("create client from kubeconfig/in-cluster config", e))?;
+    check_crd_installed(&client, settings.namespace.as_deref()).await?;
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        metrics,
+        settings.cleanup.clone(),
+    ));
+
+    let mut lost_lease = false;
+    if let Some((ns, name)) = &settings.lease {
+        let identity = std::env::var("POD_NAME")
+            .unwrap_or_else(|_| format!("kvfabric-operator-{}", std::process::id()));
+        let mut leadership = leader::campaign(client, ns, name, &identity).await?;
+        health.set(Phase::Standby);
+        tracing::info!(lease = %format!("{ns}/{name}"), %identity, "waiting for the lease");
+        tokio::select! {
+            r = leadership.acquired() => r?,
+            _ = on(stop.clone()) => {
+                leadership.release().await;
+                return finish(&health, server).await;
+            }
+        }
+        tracing::info!("acquired the lease; starting the controller");
+        health.set(Phase::Running);
+        let lost = leadership.lost();
+        let (lost_tx, lost_rx) = watch::channel(false);
+        let trigger = {
+            let stop = on(stop.clone());
+            async move {
+                tokio::select! {
+                    _ = stop => {}
+                    _ = lost => { let _ = lost_tx.send(true); }
+                }
+            }
+        };
+        run_controller(ctx, settings.namespace.clone(), trigger).await;
+        lost_lease = *lost_rx.borrow();
+        leadership.release().await;
+    } else {
+        health.set(Phase::Running);
+        run_controller(ctx, settings.namespace.clone(), on(stop.clone())).await;
+    }
+    finish(&health, server).await?;
+    if lost_lease {
+        // Exit so the kubelet restarts us and we campaign afresh, with empty caches.
+        return Err(Error::Leader {
+            lease: settings
+                .lease
+                .map(|(ns, name)| format!("{ns}/{name}"))
+                .unwrap_or_default(),
+            message: "lost the lease".to_owned(),
+        });
+    }
+    Ok(())
+}
+
+async fn finish(health: &Health, server: tokio::task::JoinHandle<Result<()>>) -> Result<()> {
+    health.set(Phase::Stopping);
+    server.abort();
+    match server.await {
+        Ok(r) => r,
+        Err(_) => Ok(()),
+    }
+}

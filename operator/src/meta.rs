@@ -1,0 +1,103 @@
+//! Names, labels and owner references shared by every child object.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::{Resource, ResourceExt};
+use kvfabric_crds::TransferFabric;
+
+use crate::{Error, Result};
+
+/// The single field manager of every server-side apply the operator makes.
+pub const MANAGER: &str = "kvfabric-operator";
+/// Label naming the fabric a child belongs to; also how stale DaemonSets are found.
+pub const FABRIC_LABEL: &str = "kvfabric.io/fabric";
+/// Label naming the pool of an agent DaemonSet and its pods.
+pub const POOL_LABEL: &str = "kvfabric.io/pool";
+/// Standard component label.
+pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
+/// gRPC peer port of the agents.
+pub const GRPC_PORT: i32 = 50051;
+/// Prometheus port of the agents.
+pub const AGENT_METRICS_PORT: i32 = 9090;
+
+/// Name of the fabric's ConfigMap.
+pub fn configmap_name(fabric: &str) -> String {
+    format!("{fabric}-config")
+}
+
+/// Name of the agents' ServiceAccount.
+pub fn service_account_name(fabric: &str) -> String {
+    format!("{fabric}-agent")
+}
+
+/// Name of the headless Service in front of the agents.
+pub fn service_name(fabric: &str) -> String {
+    format!("{fabric}-agents")
+}
+
+/// Name of a pool's DaemonSet.
+pub fn daemonset_name(fabric: &str, pool: &str) -> String {
+    format!("{fabric}-{pool}-agent")
+}
+
+/// Labels on every child of a fabric.
+pub fn fabric_labels(fabric: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (
+            "app.kubernetes.io/name".to_owned(),
+            "kvfabric-agent".to_owned(),
+        ),
+        (
+            "app.kubernetes.io/managed-by".to_owned(),
+            MANAGER.to_owned(),
+        ),
+        (COMPONENT_LABEL.to_owned(), "agent".to_owned()),
+        (FABRIC_LABEL.to_owned(), fabric.to_owned()),
+    ])
+}
+
+/// Selector labels of one pool's agent pods (immutable once the DaemonSet exists).
+pub fn pool_selector(fabric: &str, pool: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (FABRIC_LABEL.to_owned(), fabric.to_owned()),
+        (POOL_LABEL.to_owned(), pool.to_owned()),
+    ])
+}
+
+/// Name and namespace of a fabric, or an error naming what is missing.
+pub fn name_and_namespace(fabric: &TransferFabric) -> Result<(String, String)> {
+    let ns = fabric.namespace().ok_or(Error::MissingField {
+        field: "metadata.namespace",
+    })?;
+    let name = fabric.meta().name.clone().ok_or(Error::MissingField {
+        field: "metadata.name",
+    })?;
+    Ok((name, ns))
+}
+
+/// Metadata of a child: name, namespace, labels and a controller owner reference, so the
+/// garbage collector removes children with the fabric and `Controller::owns` maps them back.
+pub fn child_meta(
+    fabric: &TransferFabric,
+    name: String,
+    labels: BTreeMap<String, String>,
+) -> Result<ObjectMeta> {
+    let (_, ns) = name_and_namespace(fabric)?;
+    let mut owner: OwnerReference =
+        fabric
+            .controller_owner_ref(&())
+            .ok_or(Error::MissingField {
+                field: "metadata.uid",
+            })?;
+    // Foreground deletion of the fabric then waits for its children; this is why the ClusterRole
+    // grants `update` on transferfabrics/finalizers (OwnerReferencesPermissionEnforcement).
+    owner.block_owner_deletion = Some(true);
+    Ok(ObjectMeta {
+        name: Some(name),
+        namespace: Some(ns),
+        labels: Some(labels),
+        owner_references: Some(vec![owner]),
+        ..ObjectMeta::default()
+    })
+}
