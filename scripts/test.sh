@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The README's test command. On a fresh Debian machine it installs what the checks need, then runs
+# formatting, lints, the frame-decoder fuzzer (bounded), the Helm chart checks, and every test.
+#   KVFABRIC_FUZZ_SECS  fuzzing time (default 60)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+pkgs=()
+command -v protoc >/dev/null || pkgs+=(protobuf-compiler)          # etcd-client's build script
+python3 -m pip --version >/dev/null 2>&1 || pkgs+=(python3-pip)    # scripts/install-helm.sh
+if [ ${#pkgs[@]} -gt 0 ]; then
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${pkgs[@]}" >/dev/null
+fi
+rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
+
+echo "== fmt and clippy"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== fuzz: frame decoder"
+scripts/fuzz.sh "${KVFABRIC_FUZZ_SECS:-60}"
+echo "== helm: lint, render, strict parse of every manifest"
+scripts/helm-check.sh
+echo "== tests"
+cargo test --workspace
