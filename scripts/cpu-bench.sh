@@ -39,7 +39,8 @@ bench_path() {
   done
   on "$cns" "$bin" bench --connect "$ip:7711" --transport tcp --op read --block-size 4096 \
     --blocks-per-batch 1 --concurrency 1 --duration "$secs" --json | sed "s/^{/{\"path\":\"$label\",/" >> "$rows"
-  kill -TERM $srv; wait $srv || true
+  # `ip netns exec` may fork: signal the bench itself, not the wrapper.
+  pkill -TERM -f -- "bench --serve $ip:7711" || true; wait $srv || true
   # Peers on the same path, in the same job.
   on "$sns" iperf3 -s -1 -p 5299 >/dev/null 2>&1 & local s=$!; sleep 1
   on "$cns" iperf3 -c "$ip" -p 5299 -t "$secs" -J | python3 -c '

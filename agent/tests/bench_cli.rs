@@ -74,7 +74,7 @@ fn small_run_verifies_every_row_and_reports_ceilings() {
         .map(|r| r["transport"].as_str().unwrap())
         .collect();
     assert_eq!(kinds, ["tcp", "tcp", "shm", "shm"]);
-    assert_eq!(rows[0]["ceiling_name"], "raw tcp stream");
+    assert_eq!(rows[0]["ceiling_name"], "raw tcp ×4");
     assert_eq!(rows[2]["ceiling_name"], "memcpy 1 thread");
 }
 

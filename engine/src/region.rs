@@ -102,7 +102,7 @@ fn page_size() -> u64 {
     rustix::param::page_size() as u64
 }
 
-fn map_shared(fd: BorrowedFd<'_>, len: u64) -> Result<NonNull<u8>> {
+fn map_shared(fd: BorrowedFd<'_>, len: u64, flags: MapFlags) -> Result<NonNull<u8>> {
     let len_usize = usize::try_from(len).map_err(|_| Error::InvalidConfig {
         field: "len",
         value: len.to_string(),
@@ -114,7 +114,7 @@ fn map_shared(fd: BorrowedFd<'_>, len: u64) -> Result<NonNull<u8>> {
             std::ptr::null_mut(),
             len_usize,
             ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED,
+            MapFlags::SHARED | flags,
             fd,
             0,
         )
@@ -138,7 +138,7 @@ impl Region {
         // Exactly `len`: a peer that maps the fd sizes its bounds from the file, not from us.
         rustix::fs::ftruncate(&fd, len)
             .map_err(|e| Error::io(format!("ftruncate memfd to {len}"), e.into()))?;
-        let ptr = map_shared(fd.as_fd(), len)?;
+        let ptr = map_shared(fd.as_fd(), len, MapFlags::empty())?;
         Ok(Region::new(
             id,
             Location::Host { numa: None },
@@ -173,7 +173,8 @@ impl Region {
                 reason: "peer sent an empty file".into(),
             });
         }
-        let ptr = map_shared(fd.as_fd(), len)?;
+        // Fault the whole mapping in now, at connect time, not inside the first timed batches.
+        let ptr = map_shared(fd.as_fd(), len, MapFlags::POPULATE)?;
         let mut region = Region::new(
             id,
             Location::Host { numa: None },

@@ -3,12 +3,14 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::control::{ControlClient, Reply, Request};
+use super::scatter::Scatter;
 use super::stats::percentile;
 use crate::error::{Error, Result};
 
@@ -20,54 +22,92 @@ pub struct Ceiling {
     pub p50_us: Option<f64>,
 }
 
-/// One raw TCP stream in the direction the data of the row flows.
-pub fn tcp_stream(control: SocketAddr, towards_target: bool, secs: f64) -> Result<Ceiling> {
+/// Raw TCP streams in the direction the data of the row flows, as many as kvfabric opens data
+/// connections, each moving random blocks of the row's size between cold pools of the row's size
+/// (split among the streams) with readv/writev: the same path and memory pattern, no framing.
+pub fn tcp_stream(control: SocketAddr, shape: StreamShape, secs: f64) -> Result<Ceiling> {
     let span = Duration::from_secs_f64(secs);
-    let mut buf = vec![0u8; 1 << 20];
-    super::pattern::fill_block(3, 0, &mut buf);
-    let gbps = if towards_target {
-        let mut s = ControlClient::raw(control, &Request::Sink)?;
+    let streams = shape.streams.max(1);
+    let share = (shape.pool_bytes / streams as u64).max(shape.block_size);
+    // Pools are made (and their pages touched) before the clock starts.
+    let pools: Vec<Scatter> = (0..streams)
+        .map(|i| Scatter::new(share as usize, shape.block_size as usize, 100 + i as u64))
+        .collect();
+    // Every stream connects and the target fills its side first; then all start together.
+    let go = Arc::new(Barrier::new(streams + 1));
+    let workers: Vec<_> = pools
+        .into_iter()
+        .map(|pool| {
+            let go = go.clone();
+            std::thread::spawn(move || one_stream(control, shape, share, pool, span, &go))
+        })
+        .collect();
+    go.wait();
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    for w in workers {
+        bytes += w
+            .join()
+            .map_err(|_| Error::io("ceiling stream", std::io::Error::other("thread panicked")))??;
+    }
+    Ok(Ceiling {
+        name: format!("raw tcp ×{streams}"),
+        gbps: bytes as f64 / start.elapsed().as_secs_f64() / 1e9,
+        p50_us: None,
+    })
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct StreamShape {
+    pub towards_target: bool,
+    pub streams: usize,
+    pub pool_bytes: u64,
+    pub block_size: u64,
+}
+
+/// Bytes one stream delivered within `span` (counted by the receiver).
+fn one_stream(
+    control: SocketAddr,
+    shape: StreamShape,
+    share: u64,
+    mut pool: Scatter,
+    span: Duration,
+    go: &Barrier,
+) -> Result<u64> {
+    let io = |e| Error::io("ceiling stream", e);
+    let (bytes, block_size) = (share, shape.block_size);
+    if shape.towards_target {
+        let s = ControlClient::raw(control, &Request::Sink { bytes, block_size });
+        go.wait();
+        let mut s = s?;
         let start = Instant::now();
         while start.elapsed() < span {
-            s.write_all(&buf)
-                .map_err(|e| Error::io("ceiling stream", e))?;
+            pool.write_some(&mut s).map_err(io)?;
         }
-        s.shutdown(Shutdown::Write)
-            .map_err(|e| Error::io("ceiling stream", e))?;
+        s.shutdown(Shutdown::Write).map_err(io)?;
         let mut line = String::new();
-        BufReader::new(&s)
-            .read_line(&mut line)
-            .map_err(|e| Error::io("ceiling stream", e))?;
-        let secs = start.elapsed().as_secs_f64();
+        BufReader::new(&s).read_line(&mut line).map_err(io)?;
         match serde_json::from_str(&line) {
-            Ok(Reply::SinkDone { bytes }) => bytes as f64 / secs / 1e9,
-            _ => {
-                return Err(Error::Control {
-                    peer: control.to_string(),
-                    reason: format!("bad sink reply {line:?}"),
-                });
-            }
+            Ok(Reply::SinkDone { bytes }) => Ok(bytes),
+            _ => Err(Error::Control {
+                peer: control.to_string(),
+                reason: format!("bad sink reply {line:?}"),
+            }),
         }
     } else {
-        let mut s = ControlClient::raw(control, &Request::Source)?;
+        let s = ControlClient::raw(control, &Request::Source { bytes, block_size });
+        go.wait();
+        let mut s = s?;
         let start = Instant::now();
         let mut total = 0u64;
         while start.elapsed() < span {
-            let n = s
-                .read(&mut buf)
-                .map_err(|e| Error::io("ceiling stream", e))?;
-            if n == 0 {
-                break;
+            match pool.read_some(&mut s).map_err(io)? {
+                0 => break,
+                n => total += n as u64,
             }
-            total += n as u64;
         }
-        total as f64 / start.elapsed().as_secs_f64() / 1e9
-    };
-    Ok(Ceiling {
-        name: "raw tcp stream".into(),
-        gbps,
-        p50_us: None,
-    })
+        Ok(total)
+    }
 }
 
 /// A 32-byte request answered by `size` bytes, back to back: the floor for one small read.

@@ -29,10 +29,18 @@ pub enum Request {
     Release {
         region: RegionId,
     },
-    /// Ceiling: read and drop a raw stream until EOF, then report the bytes.
-    Sink,
-    /// Ceiling: write a raw stream until the initiator hangs up.
-    Source,
+    /// Ceiling: read a raw stream into random blocks of a `bytes` pool until EOF, then report
+    /// the bytes.
+    Sink {
+        bytes: u64,
+        block_size: u64,
+    },
+    /// Ceiling: write a raw stream from random blocks of a `bytes` pool until the initiator hangs
+    /// up.
+    Source {
+        bytes: u64,
+        block_size: u64,
+    },
     /// Ceiling: answer each 32-byte request with `size` bytes.
     PingPong {
         size: u64,

@@ -1,5 +1,6 @@
-//! The initiator: runs each row (timed transfers, then verification, then the ceiling) against
-//! a target reached through its control address.
+//! The initiator: runs each row against a target reached through its control address. A row
+//! alternates kvfabric and its ceiling over a few rounds (both see the same drift of this shared
+//! machine), reports the median of each, then verifies every destination byte.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -23,8 +24,8 @@ use crate::bytesize::human;
 use crate::cli::TransportArg;
 use crate::error::{Error, Result};
 
-/// Ceilings run at most this long: they are steadier than the row itself.
-const CEILING_SECS: f64 = 3.0;
+/// kvfabric and the ceiling take turns this many times within a row.
+const ROUNDS: usize = 3;
 
 #[derive(Debug, Clone)]
 pub struct RowPlan {
@@ -95,12 +96,104 @@ pub struct Initiator {
     pub quiet: bool,
 }
 
+#[derive(Default)]
 struct Timed {
     batches: u64,
     bytes: u64,
     seconds: f64,
     latencies: Vec<Duration>,
     written: Vec<(u32, u32)>,
+}
+
+impl Timed {
+    /// Adds a later round; its writes come after ours, so they win in the expectation.
+    fn absorb(&mut self, later: Timed) {
+        self.batches += later.batches;
+        self.bytes += later.bytes;
+        self.seconds += later.seconds;
+        self.latencies.extend(later.latencies);
+        self.written.extend(later.written);
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// What a row's ceiling needs, prepared once and measured once per round.
+enum CeilingKit {
+    /// Two private pools of the row's size: the memcpy must not touch the row's own memory.
+    Memcpy {
+        src: Vec<u8>,
+        dst: Vec<u8>,
+        block: usize,
+        per_batch: usize,
+    },
+    PingPong {
+        size: u64,
+    },
+    Stream(ceiling::StreamShape),
+}
+
+impl CeilingKit {
+    fn new(
+        plan: &RowPlan,
+        kind: TransportKind,
+        config: &kvfabric_engine::EngineConfig,
+    ) -> Result<Self> {
+        Ok(match kind {
+            TransportKind::Shm => {
+                let bs = plan.block_size as usize;
+                // Real data on both sides: never copy from untouched zero pages.
+                let mut src = vec![0u8; plan.pool_bytes as usize];
+                pattern::fill_pool(5, bs, &mut src);
+                let mut dst = vec![0u8; plan.pool_bytes as usize];
+                pattern::fill_pool(6, bs, &mut dst);
+                CeilingKit::Memcpy {
+                    src,
+                    dst,
+                    block: bs,
+                    per_batch: plan.per_batch,
+                }
+            }
+            _ if plan.is_latency() => CeilingKit::PingPong {
+                size: plan.block_size,
+            },
+            _ => CeilingKit::Stream(ceiling::StreamShape {
+                towards_target: plan.op == Opcode::Write,
+                streams: config.tcp_connections,
+                pool_bytes: plan.pool_bytes,
+                block_size: plan.block_size,
+            }),
+        })
+    }
+
+    async fn measure(&mut self, control: SocketAddr, secs: f64) -> Result<Ceiling> {
+        let join = |e: tokio::task::JoinError| Error::io("ceiling", std::io::Error::other(e));
+        match self {
+            CeilingKit::Memcpy {
+                src,
+                dst,
+                block,
+                per_batch,
+            } => Ok(tokio::task::block_in_place(|| {
+                ceiling::memcpy(src, dst, *block, *per_batch, secs)
+            })),
+            CeilingKit::PingPong { size } => {
+                let size = *size;
+                tokio::task::spawn_blocking(move || ceiling::tcp_ping_pong(control, size, secs))
+                    .await
+                    .map_err(join)?
+            }
+            CeilingKit::Stream(shape) => {
+                let shape = *shape;
+                tokio::task::spawn_blocking(move || ceiling::tcp_stream(control, shape, secs))
+                    .await
+                    .map_err(join)?
+            }
+        }
+    }
 }
 
 impl Initiator {
@@ -174,7 +267,26 @@ impl Initiator {
             );
         }
 
-        let timed = self.timed(plan, &peer, local.id(), &remote, &label).await?;
+        let round = RowPlan {
+            duration: plan.duration / ROUNDS as f64,
+            ..plan.clone()
+        };
+        let mut ceiling_kit = CeilingKit::new(plan, selection.kind, self.engine.config())?;
+        let mut timed = Timed::default();
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            let t = self
+                .timed(&round, &peer, local.id(), &remote, &label)
+                .await?;
+            ours.push(t.bytes as f64 / t.seconds / 1e9);
+            timed.absorb(t);
+            theirs.push(
+                ceiling_kit
+                    .measure(self.control_addr, round.duration)
+                    .await?,
+            );
+        }
+        drop(ceiling_kit);
 
         // Verify after the timed phase: every destination byte, written or not.
         let (source_seed, poison_seed) = match plan.op {
@@ -206,7 +318,6 @@ impl Initiator {
         drop(peer);
         self.control.call(&Request::Release { region: remote.id })?;
 
-        let ceiling = self.ceiling(plan, selection.kind, &local).await?;
         self.engine.deregister(local.id()).await?;
         if verdict.mismatches > 0 {
             return Err(Error::Verify {
@@ -219,10 +330,16 @@ impl Initiator {
         let mut lat = timed.latencies;
         let p50 = percentile(&mut lat, 0.5).as_secs_f64() * 1e6;
         let p99 = percentile(&mut lat, 0.99).as_secs_f64() * 1e6;
-        let gbps = timed.bytes as f64 / timed.seconds / 1e9;
-        let ratio = match ceiling.p50_us {
+        let gbps = median(&mut ours);
+        let ceiling_gbps = median(&mut theirs.iter().map(|c| c.gbps).collect::<Vec<_>>());
+        let ceiling_p50 = theirs
+            .iter()
+            .map(|c| c.p50_us)
+            .collect::<Option<Vec<f64>>>()
+            .map(|mut v| median(&mut v));
+        let ratio = match ceiling_p50 {
             Some(c) => c / p50,
-            None => gbps / ceiling.gbps,
+            None => gbps / ceiling_gbps,
         };
         Ok(Row {
             transport: label,
@@ -239,51 +356,11 @@ impl Initiator {
             p99_us: p99,
             verified: true,
             checksum: plan.checksum,
-            ceiling_name: ceiling.name,
-            ceiling_gbps: ceiling.gbps,
-            ceiling_p50_us: ceiling.p50_us,
+            ceiling_name: theirs[0].name.clone(),
+            ceiling_gbps,
+            ceiling_p50_us: ceiling_p50,
             ratio,
         })
-    }
-
-    async fn ceiling(
-        &self,
-        plan: &RowPlan,
-        kind: TransportKind,
-        local: &Arc<kvfabric_engine::Region>,
-    ) -> Result<Ceiling> {
-        let secs = plan.duration.min(CEILING_SECS);
-        let addr = self.control_addr;
-        match kind {
-            TransportKind::Shm => {
-                let local = local.clone();
-                let (bs, per) = (plan.block_size as usize, plan.per_batch);
-                let src_seed = 5;
-                tokio::task::spawn_blocking(move || {
-                    // A second pool of real data (never copy from untouched zero pages).
-                    let mut src = vec![0u8; local.len() as usize];
-                    pattern::fill_pool(src_seed, bs, &mut src);
-                    // SAFETY: the row's transfers are over and the peer is dropped.
-                    let dst = unsafe { local.as_mut_slice() };
-                    ceiling::memcpy(&src, dst, bs, per, secs)
-                })
-                .await
-                .map_err(|e| Error::io("memcpy ceiling", std::io::Error::other(e)))
-            }
-            _ => {
-                let (latency, size, towards) =
-                    (plan.is_latency(), plan.block_size, plan.op == Opcode::Write);
-                tokio::task::spawn_blocking(move || {
-                    if latency {
-                        ceiling::tcp_ping_pong(addr, size, secs)
-                    } else {
-                        ceiling::tcp_stream(addr, towards, secs)
-                    }
-                })
-                .await
-                .map_err(|e| Error::io("tcp ceiling", std::io::Error::other(e)))?
-            }
-        }
     }
 
     async fn timed(
@@ -375,13 +452,7 @@ impl Initiator {
                 }
             })
         };
-        let mut timed = Timed {
-            batches: 0,
-            bytes: 0,
-            seconds: 0.0,
-            latencies: Vec::new(),
-            written: Vec::new(),
-        };
+        let mut timed = Timed::default();
         let mut failure = None;
         for slot in slots {
             match slot.await {

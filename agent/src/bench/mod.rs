@@ -6,6 +6,7 @@ mod initiator;
 pub mod layout;
 pub mod pattern;
 mod report;
+mod scatter;
 mod server;
 mod stats;
 

@@ -11,6 +11,7 @@ use tracing::{info, warn};
 
 use super::control::{Reply, Request};
 use super::pattern;
+use super::scatter::Scatter;
 use crate::cli::BenchArgs;
 use crate::error::{Error, Result};
 
@@ -18,6 +19,8 @@ use crate::error::{Error, Result};
 const GRACE: Duration = Duration::from_secs(5);
 /// Largest ping-pong reply a client may ask for.
 const MAX_PING: u64 = 64 << 20;
+/// Largest scratch pool a ceiling stream may ask for.
+const MAX_SCRATCH: u64 = 16 << 30;
 
 pub async fn run(
     args: &BenchArgs,
@@ -121,8 +124,19 @@ fn serve_control(engine: &Engine, rt: &tokio::runtime::Handle, stream: TcpStream
             Err(e) => Reply::Error {
                 message: format!("bad request: {e}"),
             },
-            Ok(Request::Sink) => return sink(reader, out),
-            Ok(Request::Source) => return source(out),
+            Ok(Request::Sink { bytes, block_size }) if bytes <= MAX_SCRATCH => {
+                return sink(
+                    reader,
+                    out,
+                    Scatter::new(bytes as usize, block_size as usize, 8),
+                );
+            }
+            Ok(Request::Source { bytes, block_size }) if bytes <= MAX_SCRATCH => {
+                return source(out, Scatter::new(bytes as usize, block_size as usize, 9));
+            }
+            Ok(Request::Sink { bytes, .. } | Request::Source { bytes, .. }) => Reply::Error {
+                message: format!("ceiling pool of {bytes} bytes exceeds {MAX_SCRATCH}"),
+            },
             Ok(Request::PingPong { size }) if size <= MAX_PING => {
                 return ping_pong(reader, out, size);
             }
@@ -178,7 +192,9 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
             rt.block_on(engine.deregister(region))?;
             Reply::Released
         }
-        Request::Sink | Request::Source | Request::PingPong { .. } => unreachable!("raw modes"),
+        Request::Sink { .. } | Request::Source { .. } | Request::PingPong { .. } => {
+            unreachable!("raw modes are served by serve_control")
+        }
     })
 }
 
@@ -189,14 +205,13 @@ fn ready(out: &mut TcpStream) -> Result<()> {
         .map_err(|e| Error::io("write control", e))
 }
 
-fn sink(mut reader: BufReader<TcpStream>, mut out: TcpStream) -> Result<()> {
+fn sink(reader: BufReader<TcpStream>, mut out: TcpStream, mut pool: Scatter) -> Result<()> {
     ready(&mut out)?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut total = reader.buffer().len() as u64;
-    reader.consume(reader.buffer().len());
+    // The client waits for `ready` before streaming, so the reader holds no buffered bytes.
     let mut s = reader.into_inner();
+    let mut total = 0u64;
     loop {
-        match s.read(&mut buf) {
+        match pool.read_some(&mut s) {
             Ok(0) => break,
             Ok(n) => total += n as u64,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -209,12 +224,10 @@ fn sink(mut reader: BufReader<TcpStream>, mut out: TcpStream) -> Result<()> {
         .map_err(|e| Error::io("write control", e))
 }
 
-fn source(mut out: TcpStream) -> Result<()> {
+fn source(mut out: TcpStream, mut pool: Scatter) -> Result<()> {
     ready(&mut out)?;
-    let mut buf = vec![0u8; 1 << 20];
-    pattern::fill_block(7, 0, &mut buf);
     // Ends when the initiator hangs up.
-    while out.write_all(&buf).is_ok() {}
+    while pool.write_some(&mut out).is_ok() {}
     Ok(())
 }
 
