@@ -1,16 +1,12 @@
 //! The engine: this process's regions, its data-plane servers, and its connections to peers.
 
-use std::collections::HashMap;
-use std::future::Future;
-use std::net::{Shutdown, TcpStream};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use crate::batch::{Batch, BatchHandle, Job};
 use crate::error::{Error, Result, Side};
@@ -22,7 +18,9 @@ use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescripto
 use crate::transport::select::{Preference, Selection, select};
 use crate::transport::shm::ShmLink;
 use crate::transport::tcp::{TcpLink, TcpOptions};
-use crate::transport::{Piece, Transport, TransportKind, TransportStats, shm_server, tcp_server};
+use crate::transport::{
+    Piece, Transport, TransportKind, TransportStats, listener, shm_server, tcp_server,
+};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -211,43 +209,12 @@ impl Engine {
             .map_err(|e| Error::io("tcp listener address", e))?;
         self.set_endpoint(|e| e.tcp = Some(addr));
         info!(%addr, segment = %self.inner.config.name, "serving tcp data plane");
-        let live: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
-        let mut next = 0u64;
-        tokio::pin!(shutdown);
-        loop {
-            let (stream, peer) = tokio::select! {
-                _ = &mut shutdown => break,
-                accepted = listener.accept() => match accepted {
-                    Ok(a) => a,
-                    Err(e) => { warn!(error = %e, "tcp accept failed"); continue; }
-                },
-            };
-            let Ok(stream) = into_blocking_tcp(stream) else {
-                continue;
-            };
-            next += 1;
-            let id = next;
-            if let Ok(clone) = stream.try_clone() {
-                live.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(id, clone);
-            }
-            let inner = self.inner.clone();
-            let live = live.clone();
-            let spawned = std::thread::Builder::new()
-                .name("kvf-tcp-serve".into())
-                .spawn(move || {
-                    tcp_server::serve_conn(inner, stream, peer.to_string());
-                    live.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                });
-            if let Err(e) = spawned {
-                warn!(error = %e, "cannot start tcp connection thread");
-            }
-        }
+        let inner = self.inner.clone();
+        listener::serve(listener, shutdown, "kvf-tcp-serve", move |s, peer| {
+            tcp_server::serve_conn(inner.clone(), s, peer)
+        })
+        .await;
         self.set_endpoint(|e| e.tcp = None);
-        for (_, s) in live.lock().unwrap_or_else(|e| e.into_inner()).drain() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
         Ok(())
     }
 
@@ -268,47 +235,12 @@ impl Engine {
             })?;
         self.set_endpoint(|e| e.shm = Some(path.clone()));
         info!(path = %path.display(), "serving shm data plane");
-        let live: Arc<Mutex<HashMap<u64, UnixStream>>> = Arc::default();
-        let mut next = 0u64;
-        tokio::pin!(shutdown);
-        loop {
-            let stream = tokio::select! {
-                _ = &mut shutdown => break,
-                accepted = listener.accept() => match accepted {
-                    Ok((s, _)) => s,
-                    Err(e) => { warn!(error = %e, "shm accept failed"); continue; }
-                },
-            };
-            let Ok(stream) = stream.into_std() else {
-                continue;
-            };
-            if stream.set_nonblocking(false).is_err() {
-                continue;
-            }
-            next += 1;
-            let id = next;
-            if let Ok(clone) = stream.try_clone() {
-                live.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(id, clone);
-            }
-            let inner = self.inner.clone();
-            let live = live.clone();
-            let peer = format!("{}#{id}", path.display());
-            let spawned = std::thread::Builder::new()
-                .name("kvf-shm-serve".into())
-                .spawn(move || {
-                    shm_server::serve_conn(inner, stream, peer);
-                    live.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                });
-            if let Err(e) = spawned {
-                warn!(error = %e, "cannot start shm connection thread");
-            }
-        }
+        let inner = self.inner.clone();
+        listener::serve(listener, shutdown, "kvf-shm-serve", move |s, peer| {
+            shm_server::serve_conn(inner.clone(), s, peer)
+        })
+        .await;
         self.set_endpoint(|e| e.shm = None);
-        for (_, s) in live.lock().unwrap_or_else(|e| e.into_inner()).drain() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
         let _ = std::fs::remove_file(&path);
         Ok(())
     }
@@ -383,13 +315,6 @@ impl Engine {
             link,
         })
     }
-}
-
-fn into_blocking_tcp(stream: tokio::net::TcpStream) -> std::io::Result<TcpStream> {
-    let stream = stream.into_std()?;
-    stream.set_nonblocking(false)?;
-    stream.set_nodelay(true)?;
-    Ok(stream)
 }
 
 /// A connected remote segment. Submit batches against it; each carries its transport.

@@ -8,7 +8,9 @@ use crate::frame::{
     decode_json,
 };
 use crate::segment::SegmentDescriptor;
-use crate::transport::io::read_body;
+use tracing::info;
+
+use crate::transport::io::{Socket, hang_up, read_body};
 
 pub(crate) fn read_header<R: Read>(r: &mut R, peer: &str) -> Result<Header> {
     let mut b = [0u8; HEADER_LEN];
@@ -165,4 +167,26 @@ pub(crate) fn server<S: Read + Write>(
     let body = serde_json::to_vec(&welcome).expect("welcome serializes");
     send_control(s, FrameKind::Welcome, 0, 0, &body).map_err(|e| closed_or_io(e, peer))?;
     Ok(hello)
+}
+
+/// The target side of a fresh data connection: on success returns the initiator's Hello (and
+/// logs it); on refusal logs why and hangs up so the refusal reaches the peer.
+pub(crate) fn accept<S: Socket>(
+    s: &mut S,
+    peer: &str,
+    transport: &str,
+    descriptor: &SegmentDescriptor,
+    segment_key: Option<u64>,
+) -> Option<Hello> {
+    match server(s, peer, descriptor, segment_key) {
+        Ok(hello) => {
+            info!(%peer, from = %hello.from, transport, "data connection accepted");
+            Some(hello)
+        }
+        Err(e) => {
+            info!(%peer, error = %e, transport, "handshake refused");
+            hang_up(s);
+            None
+        }
+    }
 }

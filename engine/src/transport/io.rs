@@ -55,34 +55,41 @@ pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
     Ok(body)
 }
 
-/// A stream we can half-close and read with a timeout.
-pub(crate) trait Socket: Read {
-    fn shutdown_write(&self) -> io::Result<()>;
+/// The blocking stream sockets the data plane serves (tcp and Unix).
+pub(crate) trait Socket: Read + Write + Sized + Send + 'static {
+    fn shutdown(&self, how: Shutdown) -> io::Result<()>;
     fn set_timeout(&self, t: Duration) -> io::Result<()>;
+    fn duplicate(&self) -> io::Result<Self>;
 }
 
 impl Socket for TcpStream {
-    fn shutdown_write(&self) -> io::Result<()> {
-        self.shutdown(Shutdown::Write)
+    fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        TcpStream::shutdown(self, how)
     }
     fn set_timeout(&self, t: Duration) -> io::Result<()> {
         self.set_read_timeout(Some(t))
+    }
+    fn duplicate(&self) -> io::Result<Self> {
+        self.try_clone()
     }
 }
 
 impl Socket for UnixStream {
-    fn shutdown_write(&self) -> io::Result<()> {
-        self.shutdown(Shutdown::Write)
+    fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        UnixStream::shutdown(self, how)
     }
     fn set_timeout(&self, t: Duration) -> io::Result<()> {
         self.set_read_timeout(Some(t))
+    }
+    fn duplicate(&self) -> io::Result<Self> {
+        self.try_clone()
     }
 }
 
 /// Closes after an error so that the error frame is not lost: closing with unread input makes
 /// the kernel send a reset, which discards what we just wrote. Bounded in time and bytes.
 pub(crate) fn hang_up<S: Socket>(s: &mut S) {
-    let _ = s.shutdown_write();
+    let _ = s.shutdown(Shutdown::Write);
     let _ = s.set_timeout(Duration::from_millis(500));
     let mut scratch = vec![0u8; 1 << 16];
     let mut left: usize = 16 << 20;

@@ -11,6 +11,7 @@ use crate::frame::Entry;
 use crate::region::RawRange;
 
 pub(crate) mod io;
+pub(crate) mod listener;
 pub mod select;
 pub(crate) mod shm;
 pub(crate) mod shm_server;

@@ -18,13 +18,16 @@ use crate::handshake::{self, closed_or_io, read_header, send_error};
 
 pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: UnixStream, peer: String) {
     let descriptor = inner.descriptor();
-    match handshake::server(&mut stream, &peer, &descriptor, inner.config.segment_key) {
-        Ok(hello) => info!(%peer, from = %hello.from, "shm connection accepted"),
-        Err(e) => {
-            info!(%peer, error = %e, "shm handshake refused");
-            hang_up(&mut stream);
-            return;
-        }
+    if handshake::accept(
+        &mut stream,
+        &peer,
+        "shm",
+        &descriptor,
+        inner.config.segment_key,
+    )
+    .is_none()
+    {
+        return;
     }
     loop {
         match serve_one(&inner, &mut stream, &peer) {

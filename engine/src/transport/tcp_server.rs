@@ -20,13 +20,16 @@ const DISCARD_LIMIT: u64 = 1 << 32;
 
 pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String) {
     let descriptor = inner.descriptor();
-    match handshake::server(&mut stream, &peer, &descriptor, inner.config.segment_key) {
-        Ok(hello) => info!(%peer, from = %hello.from, "tcp data connection accepted"),
-        Err(e) => {
-            info!(%peer, error = %e, "tcp handshake refused");
-            hang_up(&mut stream);
-            return;
-        }
+    if handshake::accept(
+        &mut stream,
+        &peer,
+        "tcp",
+        &descriptor,
+        inner.config.segment_key,
+    )
+    .is_none()
+    {
+        return;
     }
     let mut conn = ServerConn {
         inner,
