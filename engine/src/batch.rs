@@ -143,6 +143,10 @@ impl Job {
         }
     }
 
+    pub(crate) fn is_finished(&self) -> bool {
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).finished
+    }
+
     fn take_result(&self) -> Option<Result<u64>> {
         self.done
             .lock()

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info};
 
-use crate::batch::{Batch, BatchHandle, Job};
+use crate::batch::{Batch, BatchHandle, BatchResult, Job};
 use crate::error::{Error, Result, Side};
 use crate::frame::{Entry, Hello, PROTOCOL_VERSION};
 use crate::op;
@@ -354,6 +354,23 @@ impl Peer {
     /// Checks every op (bounds on both sides, keys, overlaps), coalesces, and hands the batch to
     /// the transport. Returns at once; await the handle for completion.
     pub fn submit(&self, batch: Batch) -> Result<BatchHandle> {
+        let (pieces, handle) = self.plan(batch)?;
+        self.link.submit(pieces, handle.job.clone());
+        Ok(handle)
+    }
+
+    /// Submits and waits on the calling thread. A small batch may be carried by this thread
+    /// itself (sent, and its reply read, without waking any engine thread), which is what one
+    /// latency-bound block op wants; larger ones are submitted as usual.
+    pub fn run(&self, batch: Batch) -> Result<BatchResult> {
+        let (pieces, handle) = self.plan(batch)?;
+        self.link
+            .run_here(pieces, handle.job.clone(), handle.started + handle.timeout);
+        handle.wait_blocking()
+    }
+
+    /// Checks every op, coalesces, and prepares the job; nothing is sent yet.
+    fn plan(&self, batch: Batch) -> Result<(Vec<Piece>, BatchHandle)> {
         let started = Instant::now();
         let limit = self.inner.config.max_batch_ops;
         if batch.ops.len() > limit {
@@ -438,14 +455,14 @@ impl Peer {
             transport = %self.link.kind(),
             "batch submitted"
         );
-        self.link.submit(pieces, job.clone());
-        Ok(BatchHandle {
+        let handle = BatchHandle {
             job,
             timeout: batch.timeout.unwrap_or(self.inner.config.batch_timeout),
             started,
             transport: self.link.kind(),
             ops: batch.ops.len(),
             coalesced_ops: coalesced.len(),
-        })
+        };
+        Ok((pieces, handle))
     }
 }

@@ -182,3 +182,71 @@ async fn auto_selection_picks_shm_on_one_node_and_tcp_across_nodes() {
     assert_eq!(peer.transport(), TransportKind::Tcp);
     assert!(peer.selection().reason.contains("another node"));
 }
+
+/// Callers that carry their own small batches (`Peer::run`) and batches completed by the reader
+/// thread share one connection: replies must reach the right batch whoever reads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_runs_and_async_batches_share_a_connection() {
+    let t = target(config("target")).await;
+    let me = Engine::new(kvfabric_engine::EngineConfig {
+        tcp_connections: 1,
+        ..config("initiator")
+    })
+    .unwrap();
+    let remote = random_region(&t.engine, 4 << 20, 21);
+    let peer = Arc::new(
+        me.connect(
+            &t.engine.descriptor(),
+            Preference::Only(TransportKind::Tcp),
+            None,
+        )
+        .await
+        .unwrap(),
+    );
+    let rb = Arc::new(bytes(&remote));
+    // Each worker pulls into its own local region, small batches, many times.
+    let workers: Vec<_> = (0..4u64)
+        .map(|w| {
+            let local = random_region(&me, 1 << 20, 30 + w);
+            let (peer, remote_id, rb) = (peer.clone(), remote.id(), rb.clone());
+            std::thread::spawn(move || {
+                let mut rng = SmallRng::seed_from_u64(w);
+                for _ in 0..300 {
+                    let len = rng.random_range(1..9000u64);
+                    let lo = rng.random_range(0..(1 << 20) - len);
+                    let ro = rng.random_range(0..(4 << 20) - len);
+                    let ops = vec![BlockOp {
+                        local_region: local.id(),
+                        local_offset: lo,
+                        remote_region: remote_id,
+                        remote_offset: ro,
+                        len,
+                    }];
+                    let res = peer.run(Batch::read(ops)).unwrap();
+                    assert_eq!(res.bytes, len);
+                    let got = bytes(&local);
+                    assert!(
+                        got[lo as usize..(lo + len) as usize]
+                            == rb[ro as usize..(ro + len) as usize]
+                    );
+                }
+            })
+        })
+        .collect();
+    // Meanwhile, large batches through the reader thread.
+    let local = random_region(&me, 4 << 20, 40);
+    for _ in 0..20 {
+        let ops = vec![BlockOp {
+            local_region: local.id(),
+            local_offset: 0,
+            remote_region: remote.id(),
+            remote_offset: 0,
+            len: 4 << 20,
+        }];
+        peer.submit(Batch::read(ops)).unwrap().wait().await.unwrap();
+    }
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert!(bytes(&local) == *rb);
+}

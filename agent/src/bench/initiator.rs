@@ -430,7 +430,7 @@ impl Initiator {
                         .collect();
                     let t = Instant::now();
                     let batch = Batch::new(plan.op, ops).with_checksum(plan.checksum);
-                    let result = peer.submit(batch)?.wait_blocking()?;
+                    let result = peer.run(batch)?;
                     latencies.push(t.elapsed());
                     written.extend(pairs);
                     batches += 1;

@@ -69,6 +69,12 @@ pub(crate) struct Piece {
 pub(crate) trait Transport: Send + Sync + fmt::Debug {
     fn kind(&self) -> TransportKind;
     fn submit(&self, pieces: Vec<Piece>, job: Arc<Job>);
+    /// Like `submit`, but the caller is about to block on the job: a transport may do the work
+    /// on the calling thread, giving up by `deadline`.
+    fn run_here(&self, pieces: Vec<Piece>, job: Arc<Job>, deadline: std::time::Instant) {
+        let _ = deadline;
+        self.submit(pieces, job)
+    }
     /// Live data connections and bytes moved, for status output.
     fn stats(&self) -> TransportStats;
 }

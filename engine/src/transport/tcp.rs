@@ -9,6 +9,7 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
+use std::time::Instant;
 
 use rustix::net::{SendFlags, send};
 use tracing::{debug, warn};
@@ -61,6 +62,11 @@ struct Conn {
     wake: Condvar,
     /// Chunks written and awaiting their reply, in wire order.
     pending: Mutex<VecDeque<Arc<Chunk>>>,
+    /// The read half; read only by whoever holds the reading turn.
+    rstream: TcpStream,
+    /// Someone (the reader thread, or a caller running its own small batch) reads replies.
+    reading: Mutex<bool>,
+    read_turn: Condvar,
     alive: AtomicBool,
     /// Bytes queued or on the wire, to spread chunks over connections.
     outstanding: AtomicU64,
@@ -145,6 +151,27 @@ impl TcpLink {
     }
 }
 
+impl TcpLink {
+    fn least_loaded(&self) -> Option<&Arc<Conn>> {
+        self.conns
+            .iter()
+            .filter(|c| c.alive.load(Ordering::Acquire))
+            .min_by_key(|c| c.outstanding.load(Ordering::Relaxed))
+    }
+
+    fn dispatch(&self, job: Arc<Job>, chunks: Vec<Chunk>) {
+        job.expect_pieces(chunks.len());
+        for chunk in chunks {
+            match self.least_loaded() {
+                Some(conn) => conn.enqueue(chunk),
+                None => chunk.job.piece_failed(Error::PeerClosed {
+                    peer: self.conns[0].peer.clone(),
+                }),
+            }
+        }
+    }
+}
+
 impl Transport for TcpLink {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
@@ -152,19 +179,21 @@ impl Transport for TcpLink {
 
     fn submit(&self, pieces: Vec<Piece>, job: Arc<Job>) {
         let chunks = self.chunks(&job, pieces);
-        job.expect_pieces(chunks.len());
-        for chunk in chunks {
-            let conn = self
-                .conns
-                .iter()
-                .filter(|c| c.alive.load(Ordering::Acquire))
-                .min_by_key(|c| c.outstanding.load(Ordering::Relaxed));
-            match conn {
-                Some(conn) => conn.enqueue(chunk),
-                None => chunk.job.piece_failed(Error::PeerClosed {
-                    peer: self.conns[0].peer.clone(),
-                }),
+        self.dispatch(job, chunks);
+    }
+
+    fn run_here(&self, pieces: Vec<Piece>, job: Arc<Job>, deadline: Instant) {
+        let mut chunks = self.chunks(&job, pieces);
+        let conn = self.least_loaded();
+        match (chunks.len(), conn) {
+            (1, Some(conn)) => {
+                job.expect_pieces(1);
+                let chunk = chunks.pop().expect("one chunk");
+                if let Some(busy) = conn.run_here(chunk, deadline) {
+                    conn.enqueue(busy);
+                }
             }
+            _ => self.dispatch(job, chunks),
         }
     }
 
@@ -203,6 +232,9 @@ impl Conn {
             queue: Mutex::default(),
             wake: Condvar::new(),
             pending: Mutex::default(),
+            rstream: reader,
+            reading: Mutex::new(false),
+            read_turn: Condvar::new(),
             alive: AtomicBool::new(true),
             outstanding: AtomicU64::new(0),
             moved: AtomicU64::new(0),
@@ -216,7 +248,7 @@ impl Conn {
         let r = conn.clone();
         thread::Builder::new()
             .name("kvf-tcp-rx".into())
-            .spawn(move || r.read_loop(reader))
+            .spawn(move || r.read_loop())
             .map_err(|e| Error::io("spawn tcp reader", e))?;
         Ok(conn)
     }
@@ -292,7 +324,83 @@ impl Conn {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(chunk.clone());
+        // Taking the lock orders this after the reader thread's check of `pending`.
+        if !*self.reading.lock().unwrap_or_else(|e| e.into_inner()) {
+            self.read_turn.notify_one();
+        }
         chunk
+    }
+
+    fn nothing_pending(&self) -> bool {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+    }
+
+    /// Runs a one-chunk batch on the calling thread: it sends the chunk and reads the reply
+    /// itself, so completion costs no wake-up of another thread. Hands the chunk back when the
+    /// connection is already busy (then the reader thread is the one to read).
+    fn run_here(&self, chunk: Chunk, deadline: Instant) -> Option<Chunk> {
+        {
+            let mut reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+            if *reading || !self.alive.load(Ordering::Acquire) || !self.nothing_pending() {
+                return Some(chunk);
+            }
+            *reading = true;
+        }
+        let job = chunk.job.clone();
+        self.enqueue(chunk);
+        let mut scratch = Vec::new();
+        let mut outcome = Ok(());
+        while !job.is_finished() && !self.nothing_pending() {
+            match wait_readable(&self.rstream, deadline) {
+                Ok(true) => {}
+                // Past the batch's deadline: the caller's wait reports the timeout, and the
+                // reader thread takes the late reply (and drops it).
+                Ok(false) => break,
+                Err(e) => {
+                    outcome = Err(closed_or_io(e, &self.peer));
+                    break;
+                }
+            }
+            if let Err(e) = self.read_reply(&self.rstream, &mut scratch) {
+                outcome = Err(e);
+                break;
+            }
+        }
+        self.end_reading_turn();
+        if let Err(e) = outcome {
+            self.close(e);
+        }
+        None
+    }
+
+    /// Waits until something is pending and nobody else is reading; false once closed.
+    fn take_reading_turn(&self) -> bool {
+        let mut reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if !self.alive.load(Ordering::Acquire) {
+                return false;
+            }
+            if !*reading && !self.nothing_pending() {
+                *reading = true;
+                return true;
+            }
+            reading = self
+                .read_turn
+                .wait(reading)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Hands reading back; wakes the reader thread only if replies are still due.
+    fn end_reading_turn(&self) {
+        let mut reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+        *reading = false;
+        if !self.nothing_pending() {
+            self.read_turn.notify_all();
+        }
     }
 
     fn next_work(&self) -> Option<Work> {
@@ -337,10 +445,16 @@ impl Conn {
         }
     }
 
-    fn read_loop(self: Arc<Self>, mut stream: TcpStream) {
+    /// The reader thread: reads replies whenever some are due and no caller is reading its own.
+    fn read_loop(self: Arc<Self>) {
         let mut scratch = Vec::new();
-        loop {
-            if let Err(err) = self.read_reply(&mut stream, &mut scratch) {
+        while self.take_reading_turn() {
+            let mut outcome = Ok(());
+            while outcome.is_ok() && !self.nothing_pending() {
+                outcome = self.read_reply(&self.rstream, &mut scratch);
+            }
+            self.end_reading_turn();
+            if let Err(err) = outcome {
                 if !matches!(err, Error::ShuttingDown) {
                     debug!(peer = %self.peer, error = %err, "tcp connection closed");
                 }
@@ -351,7 +465,8 @@ impl Conn {
     }
 
     /// Reads one reply and completes its chunk. An error here is fatal for the connection.
-    fn read_reply(&self, stream: &mut TcpStream, scratch: &mut Vec<u8>) -> Result<()> {
+    fn read_reply(&self, mut stream: &TcpStream, scratch: &mut Vec<u8>) -> Result<()> {
+        let stream = &mut stream;
         let h = read_header(stream, &self.peer).map_err(|e| {
             if self.alive.load(Ordering::Acquire) {
                 e
@@ -472,6 +587,11 @@ impl Conn {
             warn!(peer = %self.peer, error = %err, "tcp data connection lost");
         }
         let _ = self.stream.shutdown(Shutdown::Both);
+        {
+            // Under the lock, so a reader thread between its check and its wait still hears it.
+            let _reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+            self.read_turn.notify_all();
+        }
         let queued: Vec<Chunk> = {
             let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.closed = true;
@@ -495,6 +615,28 @@ impl Conn {
         }
         for c in pending {
             c.job.piece_failed(err.duplicate());
+        }
+    }
+}
+
+/// Waits until the socket has bytes (or an error/hang-up) to read; false at the deadline.
+fn wait_readable(stream: &TcpStream, deadline: Instant) -> std::io::Result<bool> {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        let timeout = Timespec {
+            tv_sec: left.as_secs() as _,
+            tv_nsec: left.subsec_nanos() as _,
+        };
+        let mut fds = [PollFd::new(stream, PollFlags::IN)];
+        match poll(&mut fds, Some(&timeout)) {
+            Ok(0) => continue,
+            Ok(_) => return Ok(true),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
 }
