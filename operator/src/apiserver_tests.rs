@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 use tower_test::mock;
 
 use crate::backoff::Backoff;
-use crate::finalizer::{CleanupPolicy, FINALIZER, RegistryCleaner};
+use crate::finalizer::{CleanupPolicy, EtcdAccess, EtcdTls, FINALIZER, RegistryCleaner};
 use crate::fixtures::{NS, UID, full};
 use crate::meta::MANAGER;
 use crate::metrics::Metrics;
@@ -75,6 +75,8 @@ struct State {
     listed: Option<TransferFabric>,
     /// The coordination.k8s.io Lease, once created.
     lease: Option<Value>,
+    /// Secrets a GET by name finds.
+    secrets: Vec<Value>,
 }
 
 /// JSON merge patch (RFC 7386): what SSA and strategic merge amount to for a Lease's scalars.
@@ -234,6 +236,14 @@ impl Fake {
                     }
                     continue;
                 }
+                if p.contains("/secrets/") && s.method == Method::GET {
+                    let name = p.rsplit('/').next().unwrap_or_default();
+                    match state.secrets.iter().find(|x| x["metadata"]["name"] == name) {
+                        Some(secret) => respond(send, StatusCode::OK, secret),
+                        None => respond(send, StatusCode::NOT_FOUND, &status_body(404)),
+                    }
+                    continue;
+                }
                 if s.method == Method::GET && s.param("watch") == Some("true") {
                     // Watches stay open and quiet, like an API server with no changes.
                     hung.push(send);
@@ -349,20 +359,21 @@ impl Fake {
 #[derive(Debug, Default)]
 struct FakeCleaner {
     fail: bool,
-    calls: Mutex<Vec<(Vec<String>, String)>>,
+    calls: Mutex<Vec<(EtcdAccess, String)>>,
 }
 
 impl RegistryCleaner for FakeCleaner {
     fn delete_prefix<'a>(
         &'a self,
-        endpoints: &'a [String],
+        access: &'a EtcdAccess,
         prefix: &'a str,
     ) -> BoxFuture<'a, Result<u64>> {
+        let endpoints = &access.endpoints;
         Box::pin(async move {
             self.calls
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push((endpoints.to_vec(), prefix.to_owned()));
+                .push((access.clone(), prefix.to_owned()));
             if self.fail {
                 Err(Error::Registry {
                     endpoints: endpoints.to_vec(),
@@ -581,13 +592,27 @@ async fn removed_pool_deletes_its_daemonset_only() {
     }));
 }
 
+/// The Secrets `full()` names: TLS material and a username/password (base64 in `data`).
+fn etcd_secrets() -> Vec<Value> {
+    vec![
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "etcd-tls", "namespace": "llm"},
+               "data": {"ca.crt": "Q0E=", "tls.crt": "Q0VSVA==", "tls.key": "S0VZ"}}),
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "etcd-auth", "namespace": "llm"},
+               "data": {"username": "a3Zm", "password": "czNjcjN0"}}),
+    ]
+}
+
 #[tokio::test]
 async fn delete_runs_the_cleaner_and_removes_the_finalizer() {
     let cleaner = Arc::new(FakeCleaner::default());
     let mut f = finalized(full());
     f.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+    let ns = f.metadata.namespace.clone().expect("namespaced");
     let (client, fake) = Fake::start(State {
         fabric: Some(f.clone()),
+        secrets: etcd_secrets(),
         ..State::default()
     });
     let action = reconcile(Arc::new(f), context(client, cleaner.clone()))
@@ -598,12 +623,32 @@ async fn delete_runs_the_cleaner_and_removes_the_finalizer() {
     assert_eq!(
         calls,
         vec![(
-            vec![
-                "http://etcd-0:2379".to_owned(),
-                "http://etcd-1:2379".to_owned()
-            ],
+            EtcdAccess {
+                endpoints: vec![
+                    "http://etcd-0:2379".to_owned(),
+                    "http://etcd-1:2379".to_owned()
+                ],
+                tls: Some(EtcdTls {
+                    ca: Some(b"CA".to_vec()),
+                    identity: Some((b"CERT".to_vec(), b"KEY".to_vec())),
+                }),
+                auth: Some(("kvf".to_owned(), "s3cr3t".to_owned())),
+            },
             "/kvfabric/tf/".to_owned()
         )]
+    );
+    let secret_reads: Vec<String> = fake
+        .seen()
+        .into_iter()
+        .filter(|s| s.path.contains("/secrets/"))
+        .map(|s| s.path)
+        .collect();
+    assert_eq!(
+        secret_reads,
+        [
+            format!("/api/v1/namespaces/{ns}/secrets/etcd-tls"),
+            format!("/api/v1/namespaces/{ns}/secrets/etcd-auth"),
+        ]
     );
     let patches: Vec<Seen> = fake
         .seen()
@@ -633,6 +678,7 @@ async fn unreachable_etcd_is_retried_boundedly_then_the_finalizer_goes_anyway() 
     f.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
     let (client, fake) = Fake::start(State {
         fabric: Some(f.clone()),
+        secrets: etcd_secrets(),
         ..State::default()
     });
     let action = reconcile(Arc::new(f), context(client, cleaner.clone()))
@@ -665,6 +711,39 @@ async fn unreachable_etcd_is_retried_boundedly_then_the_finalizer_goes_anyway() 
         .find(|s| s.content_type == "application/json-patch+json")
         .expect("finalizer removed");
     assert_eq!(removal.body[1]["op"], "remove");
+}
+
+#[tokio::test]
+async fn missing_etcd_secret_is_named_and_does_not_block_deletion() {
+    let cleaner = Arc::new(FakeCleaner::default());
+    let mut f = finalized(full());
+    f.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+    let mut secrets = etcd_secrets();
+    // The auth Secret lacks its password.
+    secrets[1]["data"] = json!({"username": "a3Zm"});
+    for (present, expect) in [(vec![], "etcd-tls"), (secrets, "has no key \"password\"")] {
+        let (client, fake) = Fake::start(State {
+            fabric: Some(f.clone()),
+            secrets: present,
+            ..State::default()
+        });
+        let action = reconcile(Arc::new(f.clone()), context(client, cleaner.clone()))
+            .await
+            .expect("ok");
+        assert_eq!(action, Action::await_change());
+        let st = &fake.status_patches()[0].body["status"];
+        let degraded = condition(st, "Degraded");
+        assert_eq!(degraded["reason"], "RegistryCleanupFailed");
+        let msg = degraded["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(expect), "{msg}");
+        assert!(
+            fake.seen()
+                .iter()
+                .any(|s| s.content_type == "application/json-patch+json"),
+            "finalizer removed"
+        );
+    }
+    assert!(cleaner.calls.lock().expect("lock").is_empty());
 }
 
 async fn failing_apply(fault: Fault) -> (Error, Arc<Context>, Fake) {

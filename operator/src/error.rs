@@ -45,6 +45,15 @@ pub enum Error {
         field: &'static str,
     },
 
+    /// A Secret the fabric names lacks a key the operator needs.
+    #[error("Secret {secret} has no key {key:?}")]
+    SecretKey {
+        /// `namespace/name` of the Secret.
+        secret: String,
+        /// The missing key.
+        key: String,
+    },
+
     /// The CRD is not installed in the cluster.
     #[error(
         "CRD {crd} is not installed; install it with: helm install kvfabric charts/kvfabric -n kvfabric --create-namespace or kubectl apply -f charts/kvfabric/crds/"
@@ -131,6 +140,7 @@ impl Error {
             Error::Finalizer { .. } => "finalizer",
             Error::InvalidSpec(_) => "invalid_spec",
             Error::MissingField { .. } => "missing_field",
+            Error::SecretKey { .. } => "secret_key",
             Error::CrdNotInstalled { .. } => "crd_missing",
             Error::Registry { .. } => "registry",
             Error::Config { .. } => "config",

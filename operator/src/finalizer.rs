@@ -11,17 +11,58 @@ use crate::{Error, Result};
 /// Finalizer on every `TransferFabric`.
 pub const FINALIZER: &str = "kvfabric.io/registry-cleanup";
 
+/// How to reach the fabric's etcd: its endpoints and the credentials from the fabric's Secrets.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct EtcdAccess {
+    /// Client URLs.
+    pub endpoints: Vec<String>,
+    /// From `etcd.tlsSecret`: PEM `ca.crt`, and `tls.crt` + `tls.key` for a client certificate.
+    pub tls: Option<EtcdTls>,
+    /// From `etcd.authSecret`: `username` and `password`.
+    pub auth: Option<(String, String)>,
+}
+
+/// PEM material for TLS to etcd.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// Certificate authority that signed etcd's serving certificate.
+    pub ca: Option<Vec<u8>>,
+    /// Client certificate and key, when etcd asks for one.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTls")
+            .field("ca", &self.ca.is_some())
+            .field("identity", &self.identity.is_some())
+            .finish()
+    }
+}
+
+impl Debug for EtcdAccess {
+    // Never print secrets: only whether they are there.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdAccess")
+            .field("endpoints", &self.endpoints)
+            .field("tls", &self.tls.is_some())
+            .field("auth", &self.auth.as_ref().map(|(user, _)| user))
+            .finish()
+    }
+}
+
 /// Deletes a key prefix from the registry. A trait so tests can inject a fake instead of etcd.
 pub trait RegistryCleaner: Send + Sync + Debug {
     /// Deletes every key under `prefix`, returning how many were deleted.
     fn delete_prefix<'a>(
         &'a self,
-        endpoints: &'a [String],
+        access: &'a EtcdAccess,
         prefix: &'a str,
     ) -> BoxFuture<'a, Result<u64>>;
 }
 
-/// The production cleaner: the `etcd-client` crate, plain connections.
+/// The production cleaner: the `etcd-client` crate, with TLS and authentication when the fabric
+/// names Secrets for them.
 #[derive(Debug, Clone)]
 pub struct EtcdCleaner {
     /// Limit on connecting and on each request.
@@ -31,18 +72,32 @@ pub struct EtcdCleaner {
 impl RegistryCleaner for EtcdCleaner {
     fn delete_prefix<'a>(
         &'a self,
-        endpoints: &'a [String],
+        access: &'a EtcdAccess,
         prefix: &'a str,
     ) -> BoxFuture<'a, Result<u64>> {
         Box::pin(async move {
+            let endpoints = &access.endpoints;
             let fail = |e: etcd_client::Error| Error::Registry {
                 endpoints: endpoints.to_vec(),
                 prefix: prefix.to_owned(),
                 message: e.to_string(),
             };
-            let options = etcd_client::ConnectOptions::new()
+            let mut options = etcd_client::ConnectOptions::new()
                 .with_connect_timeout(self.timeout)
                 .with_timeout(self.timeout);
+            if let Some((user, password)) = &access.auth {
+                options = options.with_user(user.clone(), password.clone());
+            }
+            if let Some(tls) = &access.tls {
+                let mut t = etcd_client::TlsOptions::new();
+                if let Some(ca) = &tls.ca {
+                    t = t.ca_certificate(etcd_client::Certificate::from_pem(ca));
+                }
+                if let Some((cert, key)) = &tls.identity {
+                    t = t.identity(etcd_client::Identity::from_pem(cert, key));
+                }
+                options = options.with_tls(t);
+            }
             let mut client = etcd_client::Client::connect(endpoints, Some(options))
                 .await
                 .map_err(fail)?;
@@ -91,14 +146,15 @@ pub fn registry_prefix(key_prefix: &str, fabric: &str) -> String {
 pub async fn clean_registry(
     cleaner: &dyn RegistryCleaner,
     policy: &CleanupPolicy,
-    endpoints: &[String],
+    access: &EtcdAccess,
     prefix: &str,
 ) -> Result<u64> {
+    let endpoints = &access.endpoints;
     let attempts = policy.attempts.max(1);
     let mut pause = policy.backoff;
     let mut last = None;
     for attempt in 1..=attempts {
-        match tokio::time::timeout(policy.timeout, cleaner.delete_prefix(endpoints, prefix)).await {
+        match tokio::time::timeout(policy.timeout, cleaner.delete_prefix(access, prefix)).await {
             Ok(Ok(n)) => return Ok(n),
             Ok(Err(e)) => {
                 tracing::warn!(attempt, attempts, error = %e, "registry cleanup failed");
@@ -143,7 +199,12 @@ mod tests {
     }
 
     impl RegistryCleaner for Flaky {
-        fn delete_prefix<'a>(&'a self, e: &'a [String], p: &'a str) -> BoxFuture<'a, Result<u64>> {
+        fn delete_prefix<'a>(
+            &'a self,
+            a: &'a EtcdAccess,
+            p: &'a str,
+        ) -> BoxFuture<'a, Result<u64>> {
+            let e = &a.endpoints;
             Box::pin(async move {
                 let mut n = self.calls.lock().expect("lock");
                 *n += 1;
@@ -160,6 +221,43 @@ mod tests {
         }
     }
 
+    fn access(endpoint: &str) -> EtcdAccess {
+        EtcdAccess {
+            endpoints: vec![endpoint.into()],
+            ..EtcdAccess::default()
+        }
+    }
+
+    #[test]
+    fn access_debug_hides_secrets() {
+        let a = EtcdAccess {
+            endpoints: vec!["https://e:2379".into()],
+            tls: Some(EtcdTls {
+                ca: Some(b"-----BEGIN CERTIFICATE-----".to_vec()),
+                identity: None,
+            }),
+            auth: Some(("kvf".into(), "hunter2".into())),
+        };
+        let shown = format!("{a:?}");
+        assert!(shown.contains("kvf") && !shown.contains("hunter2") && !shown.contains("BEGIN"));
+    }
+
+    #[tokio::test]
+    async fn real_etcd_client_with_tls_and_auth_fails_fast_on_a_closed_port() {
+        let c = EtcdCleaner {
+            timeout: Duration::from_millis(300),
+        };
+        let a = EtcdAccess {
+            endpoints: vec!["https://127.0.0.1:1".into()],
+            tls: Some(EtcdTls::default()),
+            auth: Some(("kvf".into(), "pw".into())),
+        };
+        let e = clean_registry(&c, &policy(), &a, "/kvfabric/tf/")
+            .await
+            .expect_err("fails");
+        assert!(matches!(e, Error::Registry { .. }), "{e}");
+    }
+
     fn policy() -> CleanupPolicy {
         CleanupPolicy {
             attempts: 3,
@@ -174,7 +272,7 @@ mod tests {
             fail_first: 2,
             ..Flaky::default()
         };
-        let n = clean_registry(&c, &policy(), &["http://e:2379".into()], "/k/tf/")
+        let n = clean_registry(&c, &policy(), &access("http://e:2379"), "/k/tf/")
             .await
             .expect("ok");
         assert_eq!(n, 7);
@@ -187,7 +285,7 @@ mod tests {
             fail_first: 99,
             ..Flaky::default()
         };
-        let e = clean_registry(&c, &policy(), &["http://e:2379".into()], "/k/tf/")
+        let e = clean_registry(&c, &policy(), &access("http://e:2379"), "/k/tf/")
             .await
             .expect_err("fails");
         assert_eq!(*c.calls.lock().expect("lock"), 3);
@@ -206,7 +304,7 @@ mod tests {
             backoff: Duration::ZERO,
         };
         let started = std::time::Instant::now();
-        let e = clean_registry(&c, &p, &["http://127.0.0.1:1".into()], "/kvfabric/tf/")
+        let e = clean_registry(&c, &p, &access("http://127.0.0.1:1"), "/kvfabric/tf/")
             .await
             .expect_err("fails");
         assert!(started.elapsed() < Duration::from_secs(5));

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -21,7 +21,8 @@ use crate::backoff::Backoff;
 use crate::configmap::desired_configmap;
 use crate::daemonset::desired_daemonset;
 use crate::finalizer::{
-    CleanupPolicy, EtcdCleaner, FINALIZER, RegistryCleaner, clean_registry, registry_prefix,
+    CleanupPolicy, EtcdAccess, EtcdCleaner, EtcdTls, FINALIZER, RegistryCleaner, clean_registry,
+    registry_prefix,
 };
 use crate::meta::{FABRIC_LABEL, MANAGER, POOL_LABEL, name_and_namespace};
 use crate::metrics::Metrics;
@@ -331,15 +332,84 @@ async fn prune_daemonsets(
     Ok(removed)
 }
 
+/// The fabric's etcd endpoints with the credentials its Secrets hold.
+async fn etcd_access(fabric: &TransferFabric, ctx: &Context, ns: &str) -> Result<EtcdAccess> {
+    let etcd = &fabric.spec.etcd;
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+    let read = |name: &str| {
+        let secrets = secrets.clone();
+        let name = name.to_owned();
+        async move {
+            let secret = secrets
+                .get(&name)
+                .await
+                .map_err(|e| Error::kube(format!("get etcd Secret {ns}/{name}"), e))?;
+            Ok::<_, Error>(SecretData {
+                name: format!("{ns}/{name}"),
+                data: secret.data.unwrap_or_default(),
+            })
+        }
+    };
+    let tls = match &etcd.tls_secret {
+        Some(name) => {
+            let s = read(name).await?;
+            Some(EtcdTls {
+                ca: s.optional("ca.crt"),
+                identity: s.optional("tls.crt").zip(s.optional("tls.key")),
+            })
+        }
+        None => None,
+    };
+    let auth = match &etcd.auth_secret {
+        Some(name) => {
+            let s = read(name).await?;
+            let text = |k| {
+                s.required(k)
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+            };
+            Some((text("username")?, text("password")?))
+        }
+        None => None,
+    };
+    Ok(EtcdAccess {
+        endpoints: etcd.endpoints.clone(),
+        tls,
+        auth,
+    })
+}
+
+/// The data of one Secret, with its name for error messages.
+struct SecretData {
+    name: String,
+    data: std::collections::BTreeMap<String, k8s_openapi::ByteString>,
+}
+
+impl SecretData {
+    fn optional(&self, key: &str) -> Option<Vec<u8>> {
+        self.data.get(key).map(|b| b.0.clone())
+    }
+
+    fn required(&self, key: &str) -> Result<Vec<u8>> {
+        self.optional(key).ok_or_else(|| Error::SecretKey {
+            secret: self.name.clone(),
+            key: key.to_owned(),
+        })
+    }
+}
+
 async fn cleanup(fabric: &TransferFabric, ctx: &Context) -> Result<Action> {
-    let (name, _) = name_and_namespace(fabric)?;
+    let (name, ns) = name_and_namespace(fabric)?;
     let endpoints = &fabric.spec.etcd.endpoints;
     let prefix = registry_prefix(&fabric.spec.etcd.key_prefix, &name);
     if endpoints.is_empty() {
         tracing::info!(fabric = %object_key(fabric), "no etcd endpoints; nothing to clean");
         return Ok(Action::await_change());
     }
-    match clean_registry(ctx.cleaner.as_ref(), &ctx.cleanup, endpoints, &prefix).await {
+    let cleaned = match etcd_access(fabric, ctx, &ns).await {
+        Ok(access) => clean_registry(ctx.cleaner.as_ref(), &ctx.cleanup, &access, &prefix).await,
+        Err(e) => Err(e),
+    };
+    match cleaned {
         Ok(n) => {
             publish(
                 ctx,
