@@ -91,6 +91,8 @@ pub enum FrameError {
     Truncated { need: usize, have: usize },
     #[error("manifest says {claimed} payload bytes but its entries add up to {actual}")]
     LengthMismatch { claimed: u64, actual: u64 },
+    #[error("manifest entry {entry}: lengths add up to more than 2^64 bytes")]
+    LengthOverflow { entry: usize },
     #[error("unexpected {kind:?} frame: {expected}")]
     Unexpected {
         kind: FrameKind,
@@ -225,14 +227,14 @@ pub fn decode_manifest(header: &Header, body: &[u8]) -> Result<Vec<Entry>, Frame
         });
     }
     let mut total: u64 = 0;
-    let entries: Vec<Entry> = body[..need]
-        .chunks_exact(ENTRY_LEN)
-        .map(|c| {
-            let e = Entry::decode(c.try_into().expect("chunks_exact"));
-            total = total.saturating_add(e.len);
-            e
-        })
-        .collect();
+    let mut entries = Vec::with_capacity(header.count as usize);
+    for (i, c) in body[..need].chunks_exact(ENTRY_LEN).enumerate() {
+        let e = Entry::decode(c.try_into().expect("chunks_exact"));
+        total = total
+            .checked_add(e.len)
+            .ok_or(FrameError::LengthOverflow { entry: i })?;
+        entries.push(e);
+    }
     if total != header.len {
         return Err(FrameError::LengthMismatch {
             claimed: header.len,
@@ -359,12 +361,24 @@ mod tests {
         entries.iter().for_each(|e| e.encode_into(&mut body));
         let h = Header::new(FrameKind::WriteManifest, 0, 1, 10);
         assert_eq!(decode_manifest(&h, &body[..32]).unwrap(), entries[..1]);
-        // Lengths that overflow when added saturate and then mismatch; never wrap to a lie.
-        let h = Header::new(FrameKind::WriteManifest, 0, 2, 9);
+        // Lengths that overflow when added are refused, even if the header claims 2^64 - 1
+        // (found by the fuzzer: saturating at the claimed value once passed as a match).
+        for claimed in [9, u64::MAX] {
+            let h = Header::new(FrameKind::WriteManifest, 0, 2, claimed);
+            assert_eq!(
+                decode_manifest(&h, &body),
+                Err(FrameError::LengthOverflow { entry: 1 })
+            );
+        }
+        let h = Header::new(FrameKind::WriteManifest, 0, 1, 11);
         assert!(matches!(
-            decode_manifest(&h, &body),
-            Err(FrameError::LengthMismatch { .. })
+            decode_manifest(&h, &body[..32]),
+            Err(FrameError::LengthMismatch {
+                claimed: 11,
+                actual: 10
+            })
         ));
+        let h = Header::new(FrameKind::WriteManifest, 0, 2, 20);
         assert!(matches!(
             decode_manifest(&h, &body[..40]),
             Err(FrameError::Truncated { need: 64, have: 40 })
