@@ -56,19 +56,24 @@ pub fn validate(ops: &[BlockOp], opcode: Opcode) -> Result<()> {
     if let Some(i) = ops.iter().position(|o| o.len == 0) {
         return Err(Error::ZeroLength { op: i });
     }
-    let dest = |o: &BlockOp| match opcode {
-        Opcode::Read => (o.local_region, o.local_offset),
-        Opcode::Write => (o.remote_region, o.remote_offset),
-    };
-    let mut order: Vec<usize> = (0..ops.len()).collect();
-    order.sort_unstable_by_key(|&i| dest(&ops[i]));
+    // Sorting plain (region, offset, index) tuples, not indices through a key closure: a batch
+    // of 4 KiB blocks has ~10^5 ops and this sort is most of what submitting it costs.
+    let mut order: Vec<(RegionId, u64, u32)> = ops
+        .iter()
+        .enumerate()
+        .map(|(i, o)| match opcode {
+            Opcode::Read => (o.local_region, o.local_offset, i as u32),
+            Opcode::Write => (o.remote_region, o.remote_offset, i as u32),
+        })
+        .collect();
+    order.sort_unstable();
     for w in order.windows(2) {
-        let (a, b) = (&ops[w[0]], &ops[w[1]]);
-        let ((ra, oa), (rb, ob)) = (dest(a), dest(b));
-        if ra == rb && oa.saturating_add(a.len) > ob {
+        let ((ra, oa, ia), (rb, ob, ib)) = (w[0], w[1]);
+        if ra == rb && oa.saturating_add(ops[ia as usize].len) > ob {
+            let (ia, ib) = (ia as usize, ib as usize);
             return Err(Error::OverlappingDestination {
-                first: w[0].min(w[1]),
-                second: w[0].max(w[1]),
+                first: ia.min(ib),
+                second: ia.max(ib),
                 region: rb,
                 offset: ob,
             });
