@@ -1,7 +1,6 @@
 //! The initiator: runs each row (timed transfers, then verification, then the ceiling) against
 //! a target reached through its control address.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvfabric_engine::{
-    Batch, BlockOp, Engine, Opcode, Peer, Preference, RegionDesc, SegmentDescriptor, TransportKind,
+    Batch, BlockOp, CudaPath, Engine, Location, Opcode, Peer, Preference, RegionDesc,
+    SegmentDescriptor, TransportKind,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -37,6 +37,12 @@ pub struct RowPlan {
     pub duration: f64,
     pub checksum: bool,
     pub key: Option<u64>,
+    pub location: Location,
+    pub peer_location: Location,
+    /// Half the slots pull and half push at once (`op` is then ignored).
+    pub bidirectional: bool,
+    /// Only labels the row; the engine was configured with it.
+    pub cuda_path: CudaPath,
 }
 
 impl RowPlan {
@@ -62,9 +68,22 @@ impl RowPlan {
                 "must be positive seconds",
             ));
         }
+        if self.bidirectional && !self.concurrency.is_multiple_of(2) {
+            return Err(Error::config(
+                "concurrency",
+                self.concurrency,
+                "--bidirectional needs an even number (half pull, half push)",
+            ));
+        }
         let blocks = self.pool_bytes / self.block_size;
-        let need = (self.per_batch * self.concurrency) as u64;
-        if blocks < need {
+        // Bidirectional rows read sources from the lower half of each pool and write into the
+        // upper half, so neither direction overwrites what the other is still reading.
+        let (room, need) = if self.bidirectional {
+            (blocks / 2, (self.per_batch * self.concurrency / 2) as u64)
+        } else {
+            (blocks, (self.per_batch * self.concurrency) as u64)
+        };
+        if room < need {
             return Err(Error::config(
                 "pool-bytes",
                 self.pool_bytes,
@@ -95,14 +114,6 @@ pub struct Initiator {
     pub quiet: bool,
 }
 
-struct Timed {
-    batches: u64,
-    bytes: u64,
-    seconds: f64,
-    latencies: Vec<Duration>,
-    written: Vec<(u32, u32)>,
-}
-
 impl Initiator {
     pub fn new(engine: Engine, control_addr: SocketAddr, quiet: bool) -> Result<Self> {
         let mut control = ControlClient::connect(control_addr)?;
@@ -128,6 +139,7 @@ impl Initiator {
             bytes: plan.pool_bytes,
             block_size: plan.block_size,
             seed,
+            location: plan.peer_location,
         })? {
             Reply::Prepared { descriptor, region } => Ok((descriptor, region)),
             other => Err(Error::Control {
@@ -141,15 +153,19 @@ impl Initiator {
         plan.validate()?;
         let mut seeds = SmallRng::from_os_rng();
         let (local_seed, remote_seed): (u64, u64) = (seeds.random(), seeds.random());
-        let bs = plan.block_size as usize;
         let (descriptor, remote) = self.prepare(plan, remote_seed)?;
-        let local = self.engine.alloc(plan.pool_bytes)?;
-        // SAFETY: the region is new; no transfer uses it yet.
-        pattern::fill_pool(local_seed, bs, unsafe { local.as_mut_slice() });
+        let local = pattern::alloc_pool(
+            &self.engine,
+            plan.location,
+            plan.pool_bytes,
+            plan.block_size,
+            local_seed,
+        )?;
 
         let preference = match plan.transport {
             TransportArg::Tcp => Preference::Only(TransportKind::Tcp),
             TransportArg::Shm => Preference::Only(TransportKind::Shm),
+            TransportArg::CudaIpc => Preference::Only(TransportKind::CudaIpc),
             TransportArg::Auto => Preference::Auto,
         };
         let peer = Arc::new(
@@ -158,15 +174,23 @@ impl Initiator {
                 .await?,
         );
         let selection = peer.selection().clone();
-        let label = match plan.transport {
+        let mut label = match plan.transport {
             TransportArg::Auto => format!("auto→{}", selection.kind),
             _ => selection.kind.to_string(),
+        };
+        if selection.kind == TransportKind::CudaIpc {
+            label = format!("{label} {}", plan.cuda_path);
+        }
+        let op_label = if plan.bidirectional {
+            "bidir".to_string()
+        } else {
+            plan.op.to_string()
         };
         if !self.quiet {
             eprintln!(
                 "{} {} {} × {}: transport {} ({})",
                 label,
-                plan.op,
+                op_label,
                 human(plan.block_size),
                 plan.per_batch,
                 selection.kind,
@@ -176,44 +200,51 @@ impl Initiator {
 
         let timed = self.timed(plan, &peer, local.id(), &remote, &label).await?;
 
-        // Verify after the timed phase: every destination byte, written or not.
-        let (source_seed, poison_seed) = match plan.op {
-            Opcode::Read => (remote_seed, local_seed),
-            Opcode::Write => (local_seed, remote_seed),
-        };
-        let expectation = Expectation {
-            block_size: plan.block_size,
-            source_seed,
-            poison_seed,
-            written: timed.written.clone(),
-        };
-        let verdict = match plan.op {
-            // SAFETY: all batches have completed; nothing writes into the local pool now.
-            Opcode::Read => expectation.verify(unsafe { local.as_slice() }),
-            Opcode::Write => match self.control.call(&Request::Verify {
+        // Verify after the timed phase: every destination byte, written or not. Pulled data
+        // lands in the local pool, pushed data in the target's.
+        let mut verdicts = Vec::new();
+        if !timed.read_written.is_empty() {
+            let expectation = Expectation {
+                block_size: plan.block_size,
+                source_seed: remote_seed,
+                poison_seed: local_seed,
+                written: timed.read_written.clone(),
+            };
+            verdicts.push(("read", expectation.verify_region(&local)?));
+        }
+        if !timed.write_written.is_empty() {
+            let expectation = Expectation {
+                block_size: plan.block_size,
+                source_seed: local_seed,
+                poison_seed: remote_seed,
+                written: timed.write_written.clone(),
+            };
+            match self.control.call(&Request::Verify {
                 region: remote.id,
                 expectation,
             })? {
-                Reply::Verified { verdict } => verdict,
+                Reply::Verified { verdict } => verdicts.push(("write", verdict)),
                 other => {
                     return Err(Error::Control {
                         peer: self.control_addr.to_string(),
                         reason: format!("expected verified, got {other:?}"),
                     });
                 }
-            },
-        };
+            }
+        }
         drop(peer);
         self.control.call(&Request::Release { region: remote.id })?;
 
         let ceiling = self.ceiling(plan, selection.kind, &local).await?;
         self.engine.deregister(local.id()).await?;
-        if verdict.mismatches > 0 {
-            return Err(Error::Verify {
-                row: format!("{label} {} {}", plan.op, human(plan.block_size)),
-                mismatches: verdict.mismatches,
-                first: verdict.first.unwrap_or_default(),
-            });
+        for (what, verdict) in verdicts {
+            if verdict.mismatches > 0 {
+                return Err(Error::Verify {
+                    row: format!("{label} {op_label} ({what}) {}", human(plan.block_size)),
+                    mismatches: verdict.mismatches,
+                    first: verdict.first.unwrap_or_default(),
+                });
+            }
         }
 
         let mut lat = timed.latencies;
@@ -227,7 +258,7 @@ impl Initiator {
         Ok(Row {
             transport: label,
             selection: selection.reason,
-            op: plan.op.to_string(),
+            op: op_label,
             block_size: plan.block_size,
             blocks_per_batch: plan.per_batch,
             concurrency: plan.concurrency,
@@ -255,6 +286,38 @@ impl Initiator {
         let secs = plan.duration.min(CEILING_SECS);
         let addr = self.control_addr;
         match kind {
+            TransportKind::CudaIpc => {
+                let device = |l: Location| match l {
+                    Location::Cuda { device } => device,
+                    Location::Host { .. } => 0,
+                };
+                let (here, there) = (device(plan.location), device(plan.peer_location));
+                // The same bytes in the same direction, as one contiguous peer copy.
+                let (dst, src) = match plan.op {
+                    Opcode::Read if !plan.bidirectional => (here, there),
+                    _ => (there, here),
+                };
+                let (latency, size) = (plan.is_latency(), plan.block_size);
+                let bytes = plan.block_size * plan.per_batch as u64;
+                tokio::task::spawn_blocking(move || -> Result<Ceiling> {
+                    Ok(if latency {
+                        let us = kvfabric_engine::cuda::peer_copy_latency_us(dst, src, size, 2000)?;
+                        Ceiling {
+                            name: "cuMemcpyPeerAsync+sync".into(),
+                            gbps: size as f64 / us / 1e3,
+                            p50_us: Some(us),
+                        }
+                    } else {
+                        Ceiling {
+                            name: "cuMemcpyPeerAsync contiguous".into(),
+                            gbps: kvfabric_engine::cuda::peer_copy_gbps(dst, src, bytes, 20)?,
+                            p50_us: None,
+                        }
+                    })
+                })
+                .await
+                .map_err(|e| Error::io("peer copy ceiling", std::io::Error::other(e)))?
+            }
             TransportKind::Shm => {
                 let local = local.clone();
                 let (bs, per) = (plan.block_size as usize, plan.per_batch);
@@ -310,56 +373,79 @@ impl Initiator {
         let span = Duration::from_secs_f64(plan.duration);
         let mut slots = Vec::new();
         let start = Instant::now();
+        // Every slot moves one untimed batch first (streams, pinned buffers, mappings, JIT are
+        // set up then), and the clock starts when all of them have.
+        let warmed = Arc::new(std::sync::Barrier::new(plan.concurrency));
         for k in 0..plan.concurrency {
+            let warmed = warmed.clone();
             let peer = peer.clone();
             let moved = moved.clone();
             let plan = plan.clone();
             let remote_id = remote.id;
+            let shape = SlotShape::of(&plan, k, blocks);
             // Each slot is a plain thread that blocks on its batch: the engine's completing
             // thread wakes it directly, with no async scheduler in between.
             slots.push(tokio::task::spawn_blocking(move || {
                 let mut rng = SmallRng::seed_from_u64(k as u64 + 1);
                 // Each slot owns a disjoint share of destination blocks, so the final content
                 // of every destination block is well defined.
-                let mut mine: Vec<u32> = (k as u32..blocks).step_by(plan.concurrency).collect();
+                let mut mine: Vec<u32> = (shape.first_dest..blocks).step_by(shape.stride).collect();
                 let mut latencies = Vec::new();
-                let mut written: HashMap<u32, u32> = HashMap::new();
+                // Destination block → the source block last written into it.
+                let mut last: Vec<u32> = vec![u32::MAX; blocks as usize];
                 let mut batches = 0u64;
                 let bs = plan.block_size;
-                while start.elapsed() < span {
+                let mut ops = Vec::with_capacity(plan.per_batch);
+                let mut began: Option<Instant> = None;
+                loop {
+                    if let Some(t) = began
+                        && t.elapsed() >= span
+                    {
+                        break;
+                    }
                     for i in 0..plan.per_batch {
                         let j = rng.random_range(i..mine.len());
                         mine.swap(i, j);
+                        let d = mine[i];
+                        let s = rng.random_range(0..shape.sources);
+                        last[d as usize] = s;
+                        let (lo, ro) = match shape.op {
+                            Opcode::Read => (d, s),
+                            Opcode::Write => (s, d),
+                        };
+                        ops.push(BlockOp {
+                            local_region: local,
+                            local_offset: lo as u64 * bs,
+                            remote_region: remote_id,
+                            remote_offset: ro as u64 * bs,
+                            len: bs,
+                        });
                     }
-                    let pairs: Vec<(u32, u32)> = mine[..plan.per_batch]
-                        .iter()
-                        .map(|&d| (d, rng.random_range(0..blocks)))
-                        .collect();
-                    let ops = pairs
-                        .iter()
-                        .map(|&(d, s)| {
-                            let (lo, ro) = match plan.op {
-                                Opcode::Read => (d, s),
-                                Opcode::Write => (s, d),
-                            };
-                            BlockOp {
-                                local_region: local,
-                                local_offset: lo as u64 * bs,
-                                remote_region: remote_id,
-                                remote_offset: ro as u64 * bs,
-                                len: bs,
-                            }
-                        })
-                        .collect();
                     let t = Instant::now();
-                    let batch = Batch::new(plan.op, ops).with_checksum(plan.checksum);
-                    let result = peer.submit(batch)?.wait_blocking()?;
+                    let ops = std::mem::replace(&mut ops, Vec::with_capacity(plan.per_batch));
+                    let batch = Batch::new(shape.op, ops).with_checksum(plan.checksum);
+                    let result = peer.submit(batch).and_then(|h| h.wait_blocking());
+                    if began.is_none() {
+                        // Reach the barrier even on failure, or the other slots would wait forever.
+                        warmed.wait();
+                        result?;
+                        began = Some(Instant::now());
+                        continue;
+                    }
+                    let result = result?;
                     latencies.push(t.elapsed());
-                    written.extend(pairs);
                     batches += 1;
                     moved.fetch_add(result.bytes, Ordering::Relaxed);
                 }
-                Ok::<_, Error>((batches, latencies, written))
+                let ended = Instant::now();
+                let written: Vec<(u32, u32)> = last
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| **s != u32::MAX)
+                    .map(|(d, s)| (d as u32, *s))
+                    .collect();
+                let began = began.expect("set after the warm-up batch");
+                Ok::<_, Error>((shape.op, batches, latencies, written, began, ended))
             }));
         }
         let ticker = {
@@ -380,21 +466,31 @@ impl Initiator {
             bytes: 0,
             seconds: 0.0,
             latencies: Vec::new(),
-            written: Vec::new(),
+            read_written: Vec::new(),
+            write_written: Vec::new(),
         };
         let mut failure = None;
+        let (mut first, mut last) = (None::<Instant>, None::<Instant>);
         for slot in slots {
             match slot.await {
-                Ok(Ok((batches, lat, written))) => {
+                Ok(Ok((op, batches, lat, written, began, ended))) => {
+                    first = Some(first.map_or(began, |f| f.min(began)));
+                    last = Some(last.map_or(ended, |l| l.max(ended)));
                     timed.batches += batches;
                     timed.latencies.extend(lat);
-                    timed.written.extend(written);
+                    match op {
+                        Opcode::Read => timed.read_written.extend(written),
+                        Opcode::Write => timed.write_written.extend(written),
+                    }
                 }
                 Ok(Err(e)) => failure = Some(e),
                 Err(e) => failure = Some(Error::io("bench slot", std::io::Error::other(e))),
             }
         }
-        timed.seconds = start.elapsed().as_secs_f64();
+        timed.seconds = match (first, last) {
+            (Some(f), Some(l)) => (l - f).as_secs_f64(),
+            _ => start.elapsed().as_secs_f64(),
+        };
         ticker.abort();
         bar.finish_and_clear();
         if let Some(e) = failure {
@@ -402,5 +498,54 @@ impl Initiator {
         }
         timed.bytes = moved.load(Ordering::Relaxed);
         Ok(timed)
+    }
+}
+
+struct Timed {
+    batches: u64,
+    bytes: u64,
+    seconds: f64,
+    latencies: Vec<Duration>,
+    /// (destination block, source block) pairs pulled into the local pool.
+    read_written: Vec<(u32, u32)>,
+    /// … and pushed into the target's pool.
+    write_written: Vec<(u32, u32)>,
+}
+
+/// Which blocks one slot writes and reads.
+struct SlotShape {
+    op: Opcode,
+    /// The slot's destination blocks: first_dest, first_dest + stride, …
+    first_dest: u32,
+    stride: usize,
+    /// Sources are drawn from blocks 0..sources.
+    sources: u32,
+}
+
+impl SlotShape {
+    fn of(plan: &RowPlan, k: usize, blocks: u32) -> SlotShape {
+        if plan.bidirectional {
+            // Even slots pull, odd slots push; each direction writes only the upper half of its
+            // destination pool and reads only the lower half of its source pool.
+            let half = blocks / 2;
+            let group = plan.concurrency / 2;
+            SlotShape {
+                op: if k.is_multiple_of(2) {
+                    Opcode::Read
+                } else {
+                    Opcode::Write
+                },
+                first_dest: half + (k / 2) as u32,
+                stride: group,
+                sources: half,
+            }
+        } else {
+            SlotShape {
+                op: plan.op,
+                first_dest: k as u32,
+                stride: plan.concurrency,
+                sources: blocks,
+            }
+        }
     }
 }
