@@ -126,7 +126,9 @@ impl CudaIpcLink {
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         let mut keep: Vec<Arc<dyn Any + Send + Sync>> = Vec::new();
-        let mut held: Option<(RegionId, Arc<Imported>)> = None;
+        // (region, mapping base, mapping length) of the last mapping used. Plain numbers, not an
+        // Arc clone per op: every submitting thread would bounce the same refcount cache line.
+        let mut held: Option<(RegionId, u64, u64)> = None;
         let mut copies = Vec::with_capacity(pieces.len());
         let mut remote_device = local;
         let mut last: Option<(RegionId, Remote)> = None;
@@ -152,16 +154,17 @@ impl CudaIpcLink {
                 });
             }
             remote_device = remote.device;
-            let mapped = match &held {
-                Some((id, m)) if *id == region => m.clone(),
+            let (base, mapped_len) = match held {
+                Some((id, base, len)) if id == region => (base, len),
                 _ => {
                     let m = self.import(region, remote, local)?;
-                    keep.push(m.clone());
-                    held = Some((region, m.clone()));
-                    m
+                    let (base, len) = (m.base, m.len);
+                    keep.push(m);
+                    held = Some((region, base, len));
+                    (base, len)
                 }
             };
-            let region_len = mapped.len.saturating_sub(remote.export.offset);
+            let region_len = mapped_len.saturating_sub(remote.export.offset);
             if p.remote
                 .offset
                 .checked_add(p.remote.len)
@@ -176,7 +179,7 @@ impl CudaIpcLink {
                     region_len,
                 });
             }
-            let there = mapped.base + remote.export.offset + p.remote.offset;
+            let there = base + remote.export.offset + p.remote.offset;
             let here = p.local.ptr as usize as u64;
             let (src, dst) = match opcode {
                 Opcode::Read => (there, here),
