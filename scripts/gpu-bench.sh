@@ -17,11 +17,6 @@ mode="${2:-full}"
 here="$(cd "$(dirname "$0")" && pwd)"
 # NVLink multicast stays off: a program using it can take the host's shared GPUs down.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# Keep glibc from handing each batch's multi-MiB op vectors back to the kernel and faulting them
-# in again: with 10^5 ops per batch and 24 submitting threads that churn costs more than the copy.
-# (The unset run below measures the difference.)
-tunables="glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
-export GLIBC_TUNABLES="$tunables"
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 log="$OUT/log.txt"
@@ -89,9 +84,6 @@ for path in "${paths[@]}"; do
   done
 done
 bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read
-step "4 KiB blocks with glibc's default malloc trimming (for comparison)"
-GLIBC_TUNABLES="" bench --cuda-path sm --block-size 4096 --blocks-per-batch 131072 \
-  --concurrency 24 --no-latency --op read
 bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read --cuda-spin
 
 step "peers (gpu_baselines.py)"
