@@ -53,6 +53,9 @@ pub struct EngineConfig {
     /// `BatchHandle::wait_blocking` polls for completion this long before it sleeps (0: never
     /// polls). With `cuda_spin`, the lowest latency for single small batches.
     pub spin_wait: Duration,
+    /// cuda-ipc pushes run on the peer's GPU (which then pulls from ours) when this process can
+    /// use that GPU, so each GPU pulls and both link directions carry data at once.
+    pub cuda_push_by_peer: bool,
 }
 
 impl Default for EngineConfig {
@@ -71,6 +74,7 @@ impl Default for EngineConfig {
             cuda_path: CudaPath::Sm,
             cuda_spin: false,
             spin_wait: Duration::ZERO,
+            cuda_push_by_peer: true,
         }
     }
 }
@@ -404,6 +408,7 @@ impl Engine {
                         &remote,
                         inner.config.cuda_path,
                         inner.config.cuda_spin,
+                        inner.config.cuda_push_by_peer,
                     )?;
                     (Box::new(link), remote.clone())
                 }

@@ -186,6 +186,19 @@ impl Device {
     }
 }
 
+/// Lets kernels on `from` reach memory allocated on `to` (idempotent).
+pub(crate) fn enable_peer(from: &Device, to: &Device) -> Result<()> {
+    if from.ordinal == to.ordinal {
+        return Ok(());
+    }
+    from.bind()?;
+    // SAFETY: both contexts are live.
+    match unsafe { sys::cuCtxEnablePeerAccess(to.ctx, 0) } {
+        sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        r => check("cuCtxEnablePeerAccess", r),
+    }
+}
+
 /// Launches `f` with `grid` CTAs of THREADS threads on `stream`.
 ///
 /// # Safety

@@ -10,7 +10,7 @@ use cudarc::driver::sys;
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
 
-use super::driver::{self, Device, DeviceMem, Event, Stream, check};
+use super::driver::{self, Device, DeviceMem, Event, Stream, check, enable_peer};
 use super::lane::{DeviceCopy, Lane};
 use super::{CudaExport, CudaPath, DeviceVerdict, SelftestReport};
 use crate::error::{Error, Result};
@@ -203,18 +203,6 @@ pub fn copy_from_host(region: &Region, offset: u64, data: &[u8]) -> Result<()> {
     let (dev, ptr) = region_device(region)?;
     region.range(0, "offset", offset, data.len() as u64)?;
     driver::copy_htod(dev, ptr + offset, data)
-}
-
-fn enable_peer(from: &Device, to: &Device) -> Result<()> {
-    if from.ordinal == to.ordinal {
-        return Ok(());
-    }
-    from.bind()?;
-    // SAFETY: both contexts are live.
-    match unsafe { sys::cuCtxEnablePeerAccess(to.ctx, 0) } {
-        sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
-        r => check("cuCtxEnablePeerAccess", r),
-    }
 }
 
 struct PeerPair {

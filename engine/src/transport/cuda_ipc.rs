@@ -47,6 +47,10 @@ pub(crate) struct CudaIpcLink {
     imports: Mutex<HashMap<(RegionId, u32), Arc<Imported>>>,
     lanes: Mutex<HashMap<u32, Arc<Lane>>>,
     moved: Arc<AtomicU64>,
+    push_by_peer: bool,
+    /// (device that runs copies, device whose memory it reads) pairs with peer access enabled,
+    /// or refused (false).
+    peered: Mutex<HashMap<(u32, u32), bool>>,
 }
 
 fn remotes_of(d: &SegmentDescriptor) -> HashMap<RegionId, Remote> {
@@ -67,7 +71,12 @@ fn remotes_of(d: &SegmentDescriptor) -> HashMap<RegionId, Remote> {
 }
 
 impl CudaIpcLink {
-    pub(crate) fn connect(remote: &SegmentDescriptor, path: CudaPath, spin: bool) -> Result<Self> {
+    pub(crate) fn connect(
+        remote: &SegmentDescriptor,
+        path: CudaPath,
+        spin: bool,
+        push_by_peer: bool,
+    ) -> Result<Self> {
         driver::driver()?;
         Ok(CudaIpcLink {
             peer: remote.name.clone(),
@@ -77,6 +86,8 @@ impl CudaIpcLink {
             imports: Mutex::default(),
             lanes: Mutex::default(),
             moved: Arc::default(),
+            push_by_peer,
+            peered: Mutex::default(),
         })
     }
 
@@ -125,6 +136,7 @@ impl CudaIpcLink {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
+        let exec = self.executor(pieces, opcode, local, &remotes);
         let mut keep: Vec<Arc<dyn Any + Send + Sync>> = Vec::new();
         // (region, mapping base, mapping length) of the last mapping used. Plain numbers, not an
         // Arc clone per op: every submitting thread would bounce the same refcount cache line.
@@ -157,7 +169,7 @@ impl CudaIpcLink {
             let (base, mapped_len) = match held {
                 Some((id, base, len)) if id == region => (base, len),
                 _ => {
-                    let m = self.import(region, remote, local)?;
+                    let m = self.import(region, remote, exec)?;
                     let (base, len) = (m.base, m.len);
                     keep.push(m);
                     held = Some((region, base, len));
@@ -196,11 +208,45 @@ impl CudaIpcLink {
             Opcode::Write => (local, remote_device),
         };
         Ok(Planned {
-            local,
+            local: exec,
             hints,
             copies,
             keep,
         })
+    }
+
+    /// The device whose SMs copy the batch. A push is run by the peer's device when this process
+    /// can use it (it then pulls from our memory): each GPU pulls, so pushes and pulls in flight
+    /// together use both directions of the link and the SMs of both GPUs. Anything unusual
+    /// (several peer devices, no peer access) keeps the copy on the local device.
+    fn executor(
+        &self,
+        pieces: &[Piece],
+        opcode: Opcode,
+        local: u32,
+        remotes: &HashMap<RegionId, Remote>,
+    ) -> u32 {
+        if opcode != Opcode::Write || !self.push_by_peer {
+            return local;
+        }
+        let Some(peer) = remotes.get(&pieces[0].remote.region).map(|r| r.device) else {
+            return local;
+        };
+        if peer == local
+            || pieces
+                .iter()
+                .any(|p| remotes.get(&p.remote.region).map(|r| r.device) != Some(peer))
+        {
+            return local;
+        }
+        let mut peered = self.peered.lock().unwrap_or_else(|e| e.into_inner());
+        let ok = *peered.entry((peer, local)).or_insert_with(|| {
+            match (driver::device(peer), driver::device(local)) {
+                (Ok(p), Ok(l)) => driver::enable_peer(p, l).is_ok(),
+                _ => false,
+            }
+        });
+        if ok { peer } else { local }
     }
 
     fn run(&self, pieces: &[Piece], job: &Arc<Job>) -> Result<()> {
