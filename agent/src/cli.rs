@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvfabric_engine::Location;
 
 use crate::bytesize;
 
@@ -22,15 +23,64 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+// Parsed once per process; boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Measure transfers against the ceiling of the same path (default: two local processes).
     Bench(BenchArgs),
+    /// Check the GPU copy paths: random sizes at unaligned offsets, both directions, sm and ce,
+    /// every byte compared with the same copies done on the host.
+    GpuSelftest(SelftestArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SelftestArgs {
+    /// The two devices to copy between ("0,1"; "0,0" on a one-GPU machine).
+    #[arg(long, default_value = "0,1", value_parser = parse_pair)]
+    pub devices: (u32, u32),
+    /// Batches per path and direction.
+    #[arg(long, default_value_t = 8)]
+    pub rounds: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+fn parse_pair(s: &str) -> Result<(u32, u32), String> {
+    let (a, b) = s
+        .split_once(',')
+        .ok_or_else(|| format!("{s:?} is not two device numbers (e.g. 0,1)"))?;
+    let n = |x: &str| {
+        x.trim()
+            .parse::<u32>()
+            .map_err(|_| format!("{x:?} is not a device number"))
+    };
+    Ok((n(a)?, n(b)?))
+}
+
+/// `host` or `cuda:N`.
+pub fn parse_location(s: &str) -> Result<Location, String> {
+    if s == "host" {
+        return Ok(Location::Host { numa: None });
+    }
+    s.strip_prefix("cuda:")
+        .and_then(|d| d.parse::<u32>().ok())
+        .map(|device| Location::Cuda { device })
+        .ok_or_else(|| format!("{s:?} is not a location (host or cuda:N)"))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CudaPathArg {
+    /// One kernel launch over a device-side op list.
+    Sm,
+    /// The copy engines (cuMemcpyBatchAsync), no SMs.
+    Ce,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum TransportArg {
     Tcp,
     Shm,
+    CudaIpc,
     Auto,
 }
 
@@ -97,6 +147,26 @@ pub struct BenchArgs {
     /// Skip the single-block latency row of the default run.
     #[arg(long)]
     pub no_latency: bool,
+
+    /// Where this side's pool lives: host or cuda:N.
+    #[arg(long, default_value = "host", value_parser = parse_location)]
+    pub location: Location,
+
+    /// Where the target's pool lives: host or cuda:N.
+    #[arg(long, default_value = "host", value_parser = parse_location)]
+    pub peer_location: Location,
+
+    /// How cuda-ipc moves a batch: sm (one kernel) or ce (copy engines).
+    #[arg(long, value_enum, default_value = "sm")]
+    pub cuda_path: CudaPathArg,
+
+    /// cuda-ipc completion threads poll instead of sleeping (lower latency, one busy core).
+    #[arg(long)]
+    pub cuda_spin: bool,
+
+    /// Half the batches pull and half push, at the same time (needs an even --concurrency).
+    #[arg(long)]
+    pub bidirectional: bool,
 
     #[command(flatten)]
     pub layout: LayoutArgs,

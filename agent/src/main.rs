@@ -38,6 +38,16 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Bench(args) => kvfabric_agent::bench::run(args).await,
+            Command::GpuSelftest(args) => {
+                tokio::task::spawn_blocking(move || kvfabric_agent::bench::selftest(args))
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(kvfabric_agent::Error::io(
+                            "gpu selftest",
+                            std::io::Error::other(e),
+                        ))
+                    })
+            }
         }
     });
     match result {

@@ -70,6 +70,8 @@ pub(crate) struct Job {
     remaining: AtomicUsize,
     bytes: AtomicU64,
     cancelled: AtomicBool,
+    /// Set with `Completion::finished`, for waiters that poll before they sleep.
+    finished: AtomicBool,
     done: Mutex<Completion>,
     done_cv: Condvar,
     _leases: Vec<Lease>,
@@ -92,6 +94,7 @@ impl Job {
             remaining: AtomicUsize::new(0),
             bytes: AtomicU64::new(0),
             cancelled: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
             done: Mutex::default(),
             done_cv: Condvar::new(),
             _leases: leases,
@@ -135,6 +138,7 @@ impl Job {
             }
             done.finished = true;
             done.result = Some(result);
+            self.finished.store(true, Ordering::Release);
             done.waker.take()
         };
         self.done_cv.notify_all();
@@ -165,6 +169,8 @@ pub struct BatchHandle {
     pub(crate) transport: TransportKind,
     pub(crate) ops: usize,
     pub(crate) coalesced_ops: usize,
+    /// How long `wait_blocking` polls before it sleeps (`EngineConfig::spin_wait`).
+    pub(crate) spin: Duration,
 }
 
 /// Cancels a batch from anywhere (another task, a signal handler).
@@ -214,6 +220,13 @@ impl BatchHandle {
     /// Blocks the calling thread until completion (for callers outside an async runtime, and for
     /// the lowest latency: the completing thread wakes this one directly).
     pub fn wait_blocking(self) -> Result<BatchResult> {
+        if !self.spin.is_zero() {
+            // A sleeping thread takes microseconds to wake; a short poll catches small batches.
+            let until = Instant::now() + self.spin;
+            while !self.job.finished.load(Ordering::Acquire) && Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
         let deadline = Instant::now() + self.timeout;
         let mut done = self.job.done.lock().unwrap_or_else(|e| e.into_inner());
         let mut timed_out = false;

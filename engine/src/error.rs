@@ -2,7 +2,7 @@ use std::io;
 
 use serde::{Deserialize, Serialize};
 
-use crate::region::RegionId;
+use crate::region::{Location, RegionId};
 use crate::transport::TransportKind;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -107,6 +107,44 @@ pub enum Error {
 
     #[error("engine is shutting down")]
     ShuttingDown,
+
+    #[error("no CUDA driver: {reason}")]
+    NoCudaDriver { reason: String },
+
+    #[error("no CUDA device {device}: this machine has {count}")]
+    NoSuchDevice { device: u32, count: u32 },
+
+    #[error("{call} failed: {code}")]
+    Cuda { call: &'static str, code: String },
+
+    #[error(
+        "op {op}: region {region} is {location} memory, which transport {transport} can only reach \
+         through pinned host staging buffers, and none are configured"
+    )]
+    StagingNotConfigured {
+        op: usize,
+        region: RegionId,
+        location: Location,
+        transport: TransportKind,
+    },
+
+    #[error("op {op}: local region {region} is on {location}, but this batch started on {first}")]
+    MixedDevices {
+        op: usize,
+        region: RegionId,
+        location: Location,
+        first: Location,
+    },
+
+    #[error("invalid CUDA IPC handle for region {region}: {reason}")]
+    InvalidIpcHandle { region: RegionId, reason: String },
+
+    #[error("no registered region holds {location} pointer {ptr:#x} + len {len}")]
+    UnregisteredPointer {
+        location: Location,
+        ptr: u64,
+        len: u64,
+    },
 }
 
 /// Which side of a block op a region belongs to.
@@ -171,6 +209,13 @@ impl Error {
             Error::Remote(_) => "remote",
             Error::Io { .. } => "io",
             Error::ShuttingDown => "shutting_down",
+            Error::NoCudaDriver { .. } => "no_cuda_driver",
+            Error::NoSuchDevice { .. } => "no_such_device",
+            Error::Cuda { .. } => "cuda",
+            Error::StagingNotConfigured { .. } => "staging_not_configured",
+            Error::MixedDevices { .. } => "mixed_devices",
+            Error::InvalidIpcHandle { .. } => "invalid_ipc_handle",
+            Error::UnregisteredPointer { .. } => "unregistered_pointer",
         }
     }
 

@@ -4,6 +4,7 @@
 //! The engine knows nothing of Kubernetes, etcd or gRPC; an inference process can embed it alone.
 
 mod batch;
+pub mod cuda;
 mod engine;
 mod error;
 pub mod frame;
@@ -15,6 +16,7 @@ mod segment;
 pub mod transport;
 
 pub use batch::{Batch, BatchHandle, BatchResult, Canceller};
+pub use cuda::{CudaExport, CudaPath, IpcHandle};
 pub use engine::{Engine, EngineConfig, Peer};
 pub use error::{Error, RemoteError, Result, Side};
 pub use op::{BlockOp, Coalesced, Opcode, coalesce, validate};

@@ -12,6 +12,7 @@ use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
+use crate::cuda::CudaExport;
 use crate::error::{Error, Result, Side};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -67,6 +68,13 @@ enum Backing {
     Mapped { _fd: OwnedFd },
     /// The caller's memory; the caller keeps it alive until deregistration completes.
     Caller,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// GPU memory: `ptr` is a device address, never dereferenced on the host. `owner` frees an
+    /// engine allocation on drop (None for caller memory); `export` lets same-node peers map it.
+    Cuda {
+        export: Option<CudaExport>,
+        _owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+    },
 }
 
 pub struct Region {
@@ -186,6 +194,33 @@ impl Region {
         Ok(region)
     }
 
+    /// A GPU region at device address `ptr` (never dereferenced on the host).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn cuda(
+        id: RegionId,
+        device: u32,
+        ptr: u64,
+        len: u64,
+        export: Option<CudaExport>,
+        owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<Region> {
+        let ptr = NonNull::new(ptr as usize as *mut u8).ok_or(Error::InvalidConfig {
+            field: "ptr",
+            value: "0x0".into(),
+            reason: "a device region needs a non-null address",
+        })?;
+        Ok(Region::new(
+            id,
+            Location::Cuda { device },
+            ptr,
+            len,
+            Backing::Cuda {
+                export,
+                _owner: owner,
+            },
+        ))
+    }
+
     fn new(id: RegionId, location: Location, ptr: NonNull<u8>, len: u64, backing: Backing) -> Self {
         Region {
             id,
@@ -216,6 +251,17 @@ impl Region {
     }
     pub fn shareable(&self) -> bool {
         matches!(self.backing, Backing::Memfd { .. })
+    }
+    /// The device address of a GPU region.
+    pub fn device_ptr(&self) -> Option<u64> {
+        matches!(self.location, Location::Cuda { .. }).then_some(self.ptr.as_ptr() as usize as u64)
+    }
+    /// What a same-node peer needs to map this GPU region, if it can be exported.
+    pub fn cuda_export(&self) -> Option<CudaExport> {
+        match &self.backing {
+            Backing::Cuda { export, .. } => *export,
+            _ => None,
+        }
     }
     pub(crate) fn memfd(&self) -> Option<BorrowedFd<'_>> {
         match &self.backing {
@@ -258,7 +304,11 @@ impl Region {
     ///
     /// # Safety
     /// No transfer may write into the region while the slice is alive.
+    ///
+    /// # Panics
+    /// On a GPU region: its address is not host memory (use `cuda::copy_to_host`).
     pub unsafe fn as_slice(&self) -> &[u8] {
+        self.assert_host();
         // SAFETY: valid mapping of self.len bytes; exclusivity is the caller's promise.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len as usize) }
     }
@@ -267,10 +317,23 @@ impl Region {
     ///
     /// # Safety
     /// No transfer may touch the region, and no other slice of it may exist, while it is alive.
+    ///
+    /// # Panics
+    /// On a GPU region: its address is not host memory (use `cuda::copy_from_host`).
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        self.assert_host();
         // SAFETY: valid mapping of self.len bytes; exclusivity is the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len as usize) }
+    }
+
+    fn assert_host(&self) {
+        assert!(
+            matches!(self.location, Location::Host { .. }),
+            "region {} is {} memory: its bytes are not addressable from the host",
+            self.id,
+            self.location
+        );
     }
 
     /// Holds the region for the duration of one piece of work; deregistration waits for it.
@@ -297,7 +360,7 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        if !matches!(self.backing, Backing::Caller) {
+        if matches!(self.backing, Backing::Memfd { .. } | Backing::Mapped { .. }) {
             let mapped = self.len.div_ceil(page_size()) * page_size();
             // SAFETY: we created this mapping with exactly this base and (page-rounded) length;
             // the last Arc is gone so nothing can reach it any more.

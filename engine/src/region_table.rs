@@ -52,6 +52,51 @@ impl RegionTable {
         Ok(self.insert(region))
     }
 
+    fn nonzero(len: u64) -> Result<()> {
+        if len == 0 {
+            return Err(Error::InvalidConfig {
+                field: "len",
+                value: "0".into(),
+                reason: "a region needs at least one byte",
+            });
+        }
+        Ok(())
+    }
+
+    /// Allocates device memory on `device` (cuMemAlloc, zeroed, exported for CUDA IPC).
+    pub fn alloc_cuda(&self, device: u32, len: u64) -> Result<Arc<Region>> {
+        Self::nonzero(len)?;
+        let region = crate::cuda::alloc_region(self.next_id(), device, len)?;
+        Ok(self.insert(region))
+    }
+
+    /// Registers caller device memory: `ptr..ptr+len` must lie in one allocation on `device`.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the region is deregistered and every lease on it is
+    /// dropped.
+    pub unsafe fn register_cuda(&self, device: u32, ptr: u64, len: u64) -> Result<Arc<Region>> {
+        Self::nonzero(len)?;
+        let region = crate::cuda::register_region(self.next_id(), device, ptr, len)?;
+        Ok(self.insert(region))
+    }
+
+    /// The region (and offset in it) that holds `ptr..ptr+len` at `location`: how a worker that
+    /// knows its KV blocks by address names them in block ops.
+    pub fn locate(&self, location: Location, ptr: u64, len: u64) -> Result<(RegionId, u64)> {
+        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        map.values()
+            .filter(|r| r.location() == location)
+            .find_map(|r| {
+                let base = r.device_ptr().unwrap_or_else(|| {
+                    r.range(0, "ptr", 0, 0).map_or(0, |x| x.ptr as usize as u64)
+                });
+                let end = ptr.checked_add(len)?;
+                (ptr >= base && end <= base + r.len()).then_some((r.id(), ptr - base))
+            })
+            .ok_or(Error::UnregisteredPointer { location, ptr, len })
+    }
+
     pub fn get(&self, id: RegionId, side: Side) -> Result<Arc<Region>> {
         self.map
             .read()

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cuda::CudaExport;
 use crate::error::{Error, Result};
 use crate::region::{AccessKey, Location, Region, RegionId};
 
@@ -29,6 +30,9 @@ pub struct RegionDesc {
     pub key: AccessKey,
     /// Backed by a memfd, so a process on the same node can map it.
     pub shareable: bool,
+    /// A GPU region's CUDA IPC export, so a process on the same node can map it (cuda-ipc).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipc: Option<CudaExport>,
 }
 
 impl RegionDesc {
@@ -39,6 +43,7 @@ impl RegionDesc {
             location: region.location(),
             key: region.key(),
             shareable: region.shareable(),
+            ipc: region.cuda_export(),
         }
     }
 }
@@ -100,6 +105,10 @@ mod tests {
                 location: Location::Cuda { device: 1 },
                 key: AccessKey(7),
                 shareable: false,
+                ipc: Some(CudaExport {
+                    handle: crate::cuda::IpcHandle([9; 64]),
+                    offset: 64,
+                }),
             }],
             endpoints: Endpoints {
                 tcp: Some("127.0.0.1:9".parse().unwrap()),

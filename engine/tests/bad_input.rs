@@ -428,6 +428,7 @@ fn fake_target(behaviour: fn(std::net::TcpStream)) -> SegmentDescriptor {
             location: kvfabric_engine::Location::Host { numa: None },
             key: AccessKey(1),
             shareable: false,
+            ipc: None,
         }],
         endpoints: Endpoints {
             tcp: Some(addr),

@@ -4,7 +4,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
-use kvfabric_engine::{RegionDesc, RegionId, SegmentDescriptor};
+use kvfabric_engine::{Location, RegionDesc, RegionId, SegmentDescriptor};
 use serde::{Deserialize, Serialize};
 
 use super::pattern::{Expectation, Verdict};
@@ -15,11 +15,13 @@ use crate::error::{Error, Result};
 pub enum Request {
     /// The target's segment descriptor.
     Hello,
-    /// Register a pool of `bytes` filled block by block from `seed`.
+    /// Register a pool of `bytes` filled block by block from `seed`, in host or GPU memory.
     Prepare {
         bytes: u64,
         block_size: u64,
         seed: u64,
+        #[serde(default = "host")]
+        location: Location,
     },
     /// Check every byte of a pool against what the initiator wrote.
     Verify {
@@ -45,6 +47,10 @@ pub enum Request {
     PingPong {
         size: u64,
     },
+}
+
+fn host() -> Location {
+    Location::Host { numa: None }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

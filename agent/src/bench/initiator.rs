@@ -2,7 +2,6 @@
 //! alternates kvfabric and its ceiling over a few rounds (both see the same drift of this shared
 //! machine), reports the median of each, then verifies every destination byte.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvfabric_engine::{
-    Batch, BlockOp, Engine, Opcode, Peer, Preference, RegionDesc, SegmentDescriptor, TransportKind,
+    Batch, BlockOp, CudaPath, Engine, Location, Opcode, Peer, Preference, RegionDesc,
+    SegmentDescriptor, TransportKind,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -38,6 +38,12 @@ pub struct RowPlan {
     pub duration: f64,
     pub checksum: bool,
     pub key: Option<u64>,
+    pub location: Location,
+    pub peer_location: Location,
+    /// Half the slots pull and half push at once (`op` is then ignored).
+    pub bidirectional: bool,
+    /// Only labels the row; the engine was configured with it.
+    pub cuda_path: CudaPath,
 }
 
 impl RowPlan {
@@ -63,9 +69,22 @@ impl RowPlan {
                 "must be positive seconds",
             ));
         }
+        if self.bidirectional && !self.concurrency.is_multiple_of(2) {
+            return Err(Error::config(
+                "concurrency",
+                self.concurrency,
+                "--bidirectional needs an even number (half pull, half push)",
+            ));
+        }
         let blocks = self.pool_bytes / self.block_size;
-        let need = (self.per_batch * self.concurrency) as u64;
-        if blocks < need {
+        // Bidirectional rows read sources from the lower half of each pool and write into the
+        // upper half, so neither direction overwrites what the other is still reading.
+        let (room, need) = if self.bidirectional {
+            (blocks / 2, (self.per_batch * self.concurrency / 2) as u64)
+        } else {
+            (blocks, (self.per_batch * self.concurrency) as u64)
+        };
+        if room < need {
             return Err(Error::config(
                 "pool-bytes",
                 self.pool_bytes,
@@ -96,13 +115,348 @@ pub struct Initiator {
     pub quiet: bool,
 }
 
+impl Initiator {
+    pub fn new(engine: Engine, control_addr: SocketAddr, quiet: bool) -> Result<Self> {
+        let mut control = ControlClient::connect(control_addr)?;
+        match control.call(&Request::Hello)? {
+            Reply::Segment { .. } => {}
+            other => {
+                return Err(Error::Control {
+                    peer: control_addr.to_string(),
+                    reason: format!("expected segment, got {other:?}"),
+                });
+            }
+        }
+        Ok(Initiator {
+            engine,
+            control_addr,
+            control,
+            quiet,
+        })
+    }
+
+    fn prepare(&mut self, plan: &RowPlan, seed: u64) -> Result<(SegmentDescriptor, RegionDesc)> {
+        match self.control.call(&Request::Prepare {
+            bytes: plan.pool_bytes,
+            block_size: plan.block_size,
+            seed,
+            location: plan.peer_location,
+        })? {
+            Reply::Prepared { descriptor, region } => Ok((descriptor, region)),
+            other => Err(Error::Control {
+                peer: self.control_addr.to_string(),
+                reason: format!("expected prepared, got {other:?}"),
+            }),
+        }
+    }
+
+    pub async fn run_row(&mut self, plan: &RowPlan) -> Result<Row> {
+        plan.validate()?;
+        let mut seeds = SmallRng::from_os_rng();
+        let (local_seed, remote_seed): (u64, u64) = (seeds.random(), seeds.random());
+        let (descriptor, remote) = self.prepare(plan, remote_seed)?;
+        let local = pattern::alloc_pool(
+            &self.engine,
+            plan.location,
+            plan.pool_bytes,
+            plan.block_size,
+            local_seed,
+        )?;
+
+        let preference = match plan.transport {
+            TransportArg::Tcp => Preference::Only(TransportKind::Tcp),
+            TransportArg::Shm => Preference::Only(TransportKind::Shm),
+            TransportArg::CudaIpc => Preference::Only(TransportKind::CudaIpc),
+            TransportArg::Auto => Preference::Auto,
+        };
+        let peer = Arc::new(
+            self.engine
+                .connect(&descriptor, preference, plan.key)
+                .await?,
+        );
+        let selection = peer.selection().clone();
+        let mut label = match plan.transport {
+            TransportArg::Auto => format!("auto→{}", selection.kind),
+            _ => selection.kind.to_string(),
+        };
+        if selection.kind == TransportKind::CudaIpc {
+            label = format!("{label} {}", plan.cuda_path);
+        }
+        let op_label = if plan.bidirectional {
+            "bidir".to_string()
+        } else {
+            plan.op.to_string()
+        };
+        if !self.quiet {
+            eprintln!(
+                "{} {} {} × {}: transport {} ({})",
+                label,
+                op_label,
+                human(plan.block_size),
+                plan.per_batch,
+                selection.kind,
+                selection.reason
+            );
+        }
+
+        let round = RowPlan {
+            duration: plan.duration / ROUNDS as f64,
+            ..plan.clone()
+        };
+        let mut ceiling_kit = CeilingKit::new(plan, selection.kind, self.engine.config())?;
+        let mut timed = Timed::default();
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            let t = self
+                .timed(&round, &peer, local.id(), &remote, &label)
+                .await?;
+            ours.push(t.bytes as f64 / t.seconds / 1e9);
+            timed.absorb(t);
+            theirs.push(
+                ceiling_kit
+                    .measure(self.control_addr, round.duration)
+                    .await?,
+            );
+        }
+        drop(ceiling_kit);
+
+        // Verify after the timed phase: every destination byte, written or not. Pulled data
+        // lands in the local pool, pushed data in the target's.
+        let mut verdicts = Vec::new();
+        if !timed.read_written.is_empty() {
+            let expectation = Expectation {
+                block_size: plan.block_size,
+                source_seed: remote_seed,
+                poison_seed: local_seed,
+                written: timed.read_written.clone(),
+            };
+            verdicts.push(("read", expectation.verify_region(&local)?));
+        }
+        if !timed.write_written.is_empty() {
+            let expectation = Expectation {
+                block_size: plan.block_size,
+                source_seed: local_seed,
+                poison_seed: remote_seed,
+                written: timed.write_written.clone(),
+            };
+            match self.control.call(&Request::Verify {
+                region: remote.id,
+                expectation,
+            })? {
+                Reply::Verified { verdict } => verdicts.push(("write", verdict)),
+                other => {
+                    return Err(Error::Control {
+                        peer: self.control_addr.to_string(),
+                        reason: format!("expected verified, got {other:?}"),
+                    });
+                }
+            }
+        }
+        drop(peer);
+        self.control.call(&Request::Release { region: remote.id })?;
+
+        self.engine.deregister(local.id()).await?;
+        for (what, verdict) in verdicts {
+            if verdict.mismatches > 0 {
+                return Err(Error::Verify {
+                    row: format!("{label} {op_label} ({what}) {}", human(plan.block_size)),
+                    mismatches: verdict.mismatches,
+                    first: verdict.first.unwrap_or_default(),
+                });
+            }
+        }
+
+        let mut lat = timed.latencies;
+        let p50 = percentile(&mut lat, 0.5).as_secs_f64() * 1e6;
+        let p99 = percentile(&mut lat, 0.99).as_secs_f64() * 1e6;
+        let gbps = median(&mut ours);
+        let ceiling_gbps = median(&mut theirs.iter().map(|c| c.gbps).collect::<Vec<_>>());
+        let ceiling_p50 = theirs
+            .iter()
+            .map(|c| c.p50_us)
+            .collect::<Option<Vec<f64>>>()
+            .map(|mut v| median(&mut v));
+        let ratio = match ceiling_p50 {
+            Some(c) => c / p50,
+            None => gbps / ceiling_gbps,
+        };
+        Ok(Row {
+            transport: label,
+            selection: selection.reason,
+            op: op_label,
+            block_size: plan.block_size,
+            blocks_per_batch: plan.per_batch,
+            concurrency: plan.concurrency,
+            batches: timed.batches,
+            bytes: timed.bytes,
+            seconds: timed.seconds,
+            gbps,
+            p50_us: p50,
+            p99_us: p99,
+            verified: true,
+            checksum: plan.checksum,
+            ceiling_name: theirs[0].name.clone(),
+            ceiling_gbps,
+            ceiling_p50_us: ceiling_p50,
+            ratio,
+        })
+    }
+
+    async fn timed(
+        &self,
+        plan: &RowPlan,
+        peer: &Arc<Peer>,
+        local: kvfabric_engine::RegionId,
+        remote: &RegionDesc,
+        label: &str,
+    ) -> Result<Timed> {
+        let blocks = (plan.pool_bytes / plan.block_size) as u32;
+        let bar = if self.quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new((plan.duration * 1000.0) as u64)
+        };
+        bar.set_style(
+            ProgressStyle::with_template("{prefix:>28} [{bar:30}] {elapsed:>3} {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(format!("{label} {} {}", plan.op, human(plan.block_size)));
+        let moved = Arc::new(AtomicU64::new(0));
+        let span = Duration::from_secs_f64(plan.duration);
+        let mut slots = Vec::new();
+        let start = Instant::now();
+        // Every slot moves one untimed batch first (streams, pinned buffers, mappings, JIT are
+        // set up then), and the clock starts when all of them have.
+        let warmed = Arc::new(std::sync::Barrier::new(plan.concurrency));
+        for k in 0..plan.concurrency {
+            let warmed = warmed.clone();
+            let peer = peer.clone();
+            let moved = moved.clone();
+            let plan = plan.clone();
+            let remote_id = remote.id;
+            let shape = SlotShape::of(&plan, k, blocks);
+            // Each slot is a plain thread that blocks on its batch: the engine's completing
+            // thread wakes it directly, with no async scheduler in between.
+            slots.push(tokio::task::spawn_blocking(move || {
+                let mut rng = SmallRng::seed_from_u64(k as u64 + 1);
+                // Each slot owns a disjoint share of destination blocks, so the final content
+                // of every destination block is well defined.
+                let mut mine: Vec<u32> = (shape.first_dest..blocks).step_by(shape.stride).collect();
+                let mut latencies = Vec::new();
+                // Destination block → the source block last written into it.
+                let mut last: Vec<u32> = vec![u32::MAX; blocks as usize];
+                let mut batches = 0u64;
+                let bs = plan.block_size;
+                let mut ops = Vec::with_capacity(plan.per_batch);
+                let mut began: Option<Instant> = None;
+                loop {
+                    if let Some(t) = began
+                        && t.elapsed() >= span
+                    {
+                        break;
+                    }
+                    for i in 0..plan.per_batch {
+                        let j = rng.random_range(i..mine.len());
+                        mine.swap(i, j);
+                        let d = mine[i];
+                        let s = rng.random_range(0..shape.sources);
+                        last[d as usize] = s;
+                        let (lo, ro) = match shape.op {
+                            Opcode::Read => (d, s),
+                            Opcode::Write => (s, d),
+                        };
+                        ops.push(BlockOp {
+                            local_region: local,
+                            local_offset: lo as u64 * bs,
+                            remote_region: remote_id,
+                            remote_offset: ro as u64 * bs,
+                            len: bs,
+                        });
+                    }
+                    let t = Instant::now();
+                    let ops = std::mem::replace(&mut ops, Vec::with_capacity(plan.per_batch));
+                    let batch = Batch::new(shape.op, ops).with_checksum(plan.checksum);
+                    let result = peer.run(batch);
+                    if began.is_none() {
+                        // Reach the barrier even on failure, or the other slots would wait forever.
+                        warmed.wait();
+                        result?;
+                        began = Some(Instant::now());
+                        continue;
+                    }
+                    let result = result?;
+                    latencies.push(t.elapsed());
+                    batches += 1;
+                    moved.fetch_add(result.bytes, Ordering::Relaxed);
+                }
+                let ended = Instant::now();
+                let written: Vec<(u32, u32)> = last
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| **s != u32::MAX)
+                    .map(|(d, s)| (d as u32, *s))
+                    .collect();
+                let began = began.expect("set after the warm-up batch");
+                Ok::<_, Error>((shape.op, batches, latencies, written, began, ended))
+            }));
+        }
+        let ticker = {
+            let bar = bar.clone();
+            let moved = moved.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let secs = start.elapsed().as_secs_f64();
+                    bar.set_position((secs * 1000.0) as u64);
+                    let gb = moved.load(Ordering::Relaxed) as f64 / 1e9;
+                    bar.set_message(format!("{:.2} GB/s", gb / secs));
+                }
+            })
+        };
+        let mut timed = Timed::default();
+        let mut failure = None;
+        let (mut first, mut last) = (None::<Instant>, None::<Instant>);
+        for slot in slots {
+            match slot.await {
+                Ok(Ok((op, batches, lat, written, began, ended))) => {
+                    first = Some(first.map_or(began, |f| f.min(began)));
+                    last = Some(last.map_or(ended, |l| l.max(ended)));
+                    timed.batches += batches;
+                    timed.latencies.extend(lat);
+                    match op {
+                        Opcode::Read => timed.read_written.extend(written),
+                        Opcode::Write => timed.write_written.extend(written),
+                    }
+                }
+                Ok(Err(e)) => failure = Some(e),
+                Err(e) => failure = Some(Error::io("bench slot", std::io::Error::other(e))),
+            }
+        }
+        timed.seconds = match (first, last) {
+            (Some(f), Some(l)) => (l - f).as_secs_f64(),
+            _ => start.elapsed().as_secs_f64(),
+        };
+        ticker.abort();
+        bar.finish_and_clear();
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        timed.bytes = moved.load(Ordering::Relaxed);
+        Ok(timed)
+    }
+}
+
 #[derive(Default)]
 struct Timed {
     batches: u64,
     bytes: u64,
     seconds: f64,
     latencies: Vec<Duration>,
-    written: Vec<(u32, u32)>,
+    /// (destination block, source block) pairs pulled into the local pool.
+    read_written: Vec<(u32, u32)>,
+    /// … and pushed into the target's pool.
+    write_written: Vec<(u32, u32)>,
 }
 
 impl Timed {
@@ -112,7 +466,8 @@ impl Timed {
         self.bytes += later.bytes;
         self.seconds += later.seconds;
         self.latencies.extend(later.latencies);
-        self.written.extend(later.written);
+        self.read_written.extend(later.read_written);
+        self.write_written.extend(later.write_written);
     }
 }
 
@@ -134,6 +489,14 @@ enum CeilingKit {
         size: u64,
     },
     Stream(ceiling::StreamShape),
+    /// The same bytes between the same GPUs as one contiguous peer copy (or, for a latency
+    /// row, one small peer copy and its synchronisation).
+    PeerCopy {
+        dst: u32,
+        src: u32,
+        bytes: u64,
+        latency: Option<u64>,
+    },
 }
 
 impl CeilingKit {
@@ -143,6 +506,23 @@ impl CeilingKit {
         config: &kvfabric_engine::EngineConfig,
     ) -> Result<Self> {
         Ok(match kind {
+            TransportKind::CudaIpc => {
+                let device = |l: Location| match l {
+                    Location::Cuda { device } => device,
+                    Location::Host { .. } => 0,
+                };
+                let (here, there) = (device(plan.location), device(plan.peer_location));
+                let (dst, src) = match plan.op {
+                    Opcode::Read if !plan.bidirectional => (here, there),
+                    _ => (there, here),
+                };
+                CeilingKit::PeerCopy {
+                    dst,
+                    src,
+                    bytes: plan.block_size * plan.per_batch as u64,
+                    latency: plan.is_latency().then_some(plan.block_size),
+                }
+            }
             TransportKind::Shm => {
                 let bs = plan.block_size as usize;
                 // Real data on both sides: never copy from untouched zero pages.
@@ -192,286 +572,72 @@ impl CeilingKit {
                     .await
                     .map_err(join)?
             }
+            CeilingKit::PeerCopy {
+                dst,
+                src,
+                bytes,
+                latency,
+            } => {
+                let (dst, src, bytes, latency) = (*dst, *src, *bytes, *latency);
+                tokio::task::spawn_blocking(move || -> Result<Ceiling> {
+                    Ok(match latency {
+                        Some(size) => {
+                            let us =
+                                kvfabric_engine::cuda::peer_copy_latency_us(dst, src, size, 2000)?;
+                            Ceiling {
+                                name: "cuMemcpyPeerAsync+sync".into(),
+                                gbps: size as f64 / us / 1e3,
+                                p50_us: Some(us),
+                            }
+                        }
+                        None => Ceiling {
+                            name: "cuMemcpyPeerAsync contiguous".into(),
+                            gbps: kvfabric_engine::cuda::peer_copy_gbps(dst, src, bytes, 20)?,
+                            p50_us: None,
+                        },
+                    })
+                })
+                .await
+                .map_err(join)?
+            }
         }
     }
 }
 
-impl Initiator {
-    pub fn new(engine: Engine, control_addr: SocketAddr, quiet: bool) -> Result<Self> {
-        let mut control = ControlClient::connect(control_addr)?;
-        match control.call(&Request::Hello)? {
-            Reply::Segment { .. } => {}
-            other => {
-                return Err(Error::Control {
-                    peer: control_addr.to_string(),
-                    reason: format!("expected segment, got {other:?}"),
-                });
+/// Which blocks one slot writes and reads.
+struct SlotShape {
+    op: Opcode,
+    /// The slot's destination blocks: first_dest, first_dest + stride, …
+    first_dest: u32,
+    stride: usize,
+    /// Sources are drawn from blocks 0..sources.
+    sources: u32,
+}
+
+impl SlotShape {
+    fn of(plan: &RowPlan, k: usize, blocks: u32) -> SlotShape {
+        if plan.bidirectional {
+            // Even slots pull, odd slots push; each direction writes only the upper half of its
+            // destination pool and reads only the lower half of its source pool.
+            let half = blocks / 2;
+            let group = plan.concurrency / 2;
+            SlotShape {
+                op: if k.is_multiple_of(2) {
+                    Opcode::Read
+                } else {
+                    Opcode::Write
+                },
+                first_dest: half + (k / 2) as u32,
+                stride: group,
+                sources: half,
             }
-        }
-        Ok(Initiator {
-            engine,
-            control_addr,
-            control,
-            quiet,
-        })
-    }
-
-    fn prepare(&mut self, plan: &RowPlan, seed: u64) -> Result<(SegmentDescriptor, RegionDesc)> {
-        match self.control.call(&Request::Prepare {
-            bytes: plan.pool_bytes,
-            block_size: plan.block_size,
-            seed,
-        })? {
-            Reply::Prepared { descriptor, region } => Ok((descriptor, region)),
-            other => Err(Error::Control {
-                peer: self.control_addr.to_string(),
-                reason: format!("expected prepared, got {other:?}"),
-            }),
-        }
-    }
-
-    pub async fn run_row(&mut self, plan: &RowPlan) -> Result<Row> {
-        plan.validate()?;
-        let mut seeds = SmallRng::from_os_rng();
-        let (local_seed, remote_seed): (u64, u64) = (seeds.random(), seeds.random());
-        let bs = plan.block_size as usize;
-        let (descriptor, remote) = self.prepare(plan, remote_seed)?;
-        let local = self.engine.alloc(plan.pool_bytes)?;
-        // SAFETY: the region is new; no transfer uses it yet.
-        pattern::fill_pool(local_seed, bs, unsafe { local.as_mut_slice() });
-
-        let preference = match plan.transport {
-            TransportArg::Tcp => Preference::Only(TransportKind::Tcp),
-            TransportArg::Shm => Preference::Only(TransportKind::Shm),
-            TransportArg::Auto => Preference::Auto,
-        };
-        let peer = Arc::new(
-            self.engine
-                .connect(&descriptor, preference, plan.key)
-                .await?,
-        );
-        let selection = peer.selection().clone();
-        let label = match plan.transport {
-            TransportArg::Auto => format!("auto→{}", selection.kind),
-            _ => selection.kind.to_string(),
-        };
-        if !self.quiet {
-            eprintln!(
-                "{} {} {} × {}: transport {} ({})",
-                label,
-                plan.op,
-                human(plan.block_size),
-                plan.per_batch,
-                selection.kind,
-                selection.reason
-            );
-        }
-
-        let round = RowPlan {
-            duration: plan.duration / ROUNDS as f64,
-            ..plan.clone()
-        };
-        let mut ceiling_kit = CeilingKit::new(plan, selection.kind, self.engine.config())?;
-        let mut timed = Timed::default();
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-        for _ in 0..ROUNDS {
-            let t = self
-                .timed(&round, &peer, local.id(), &remote, &label)
-                .await?;
-            ours.push(t.bytes as f64 / t.seconds / 1e9);
-            timed.absorb(t);
-            theirs.push(
-                ceiling_kit
-                    .measure(self.control_addr, round.duration)
-                    .await?,
-            );
-        }
-        drop(ceiling_kit);
-
-        // Verify after the timed phase: every destination byte, written or not.
-        let (source_seed, poison_seed) = match plan.op {
-            Opcode::Read => (remote_seed, local_seed),
-            Opcode::Write => (local_seed, remote_seed),
-        };
-        let expectation = Expectation {
-            block_size: plan.block_size,
-            source_seed,
-            poison_seed,
-            written: timed.written.clone(),
-        };
-        let verdict = match plan.op {
-            // SAFETY: all batches have completed; nothing writes into the local pool now.
-            Opcode::Read => expectation.verify(unsafe { local.as_slice() }),
-            Opcode::Write => match self.control.call(&Request::Verify {
-                region: remote.id,
-                expectation,
-            })? {
-                Reply::Verified { verdict } => verdict,
-                other => {
-                    return Err(Error::Control {
-                        peer: self.control_addr.to_string(),
-                        reason: format!("expected verified, got {other:?}"),
-                    });
-                }
-            },
-        };
-        drop(peer);
-        self.control.call(&Request::Release { region: remote.id })?;
-
-        self.engine.deregister(local.id()).await?;
-        if verdict.mismatches > 0 {
-            return Err(Error::Verify {
-                row: format!("{label} {} {}", plan.op, human(plan.block_size)),
-                mismatches: verdict.mismatches,
-                first: verdict.first.unwrap_or_default(),
-            });
-        }
-
-        let mut lat = timed.latencies;
-        let p50 = percentile(&mut lat, 0.5).as_secs_f64() * 1e6;
-        let p99 = percentile(&mut lat, 0.99).as_secs_f64() * 1e6;
-        let gbps = median(&mut ours);
-        let ceiling_gbps = median(&mut theirs.iter().map(|c| c.gbps).collect::<Vec<_>>());
-        let ceiling_p50 = theirs
-            .iter()
-            .map(|c| c.p50_us)
-            .collect::<Option<Vec<f64>>>()
-            .map(|mut v| median(&mut v));
-        let ratio = match ceiling_p50 {
-            Some(c) => c / p50,
-            None => gbps / ceiling_gbps,
-        };
-        Ok(Row {
-            transport: label,
-            selection: selection.reason,
-            op: plan.op.to_string(),
-            block_size: plan.block_size,
-            blocks_per_batch: plan.per_batch,
-            concurrency: plan.concurrency,
-            batches: timed.batches,
-            bytes: timed.bytes,
-            seconds: timed.seconds,
-            gbps,
-            p50_us: p50,
-            p99_us: p99,
-            verified: true,
-            checksum: plan.checksum,
-            ceiling_name: theirs[0].name.clone(),
-            ceiling_gbps,
-            ceiling_p50_us: ceiling_p50,
-            ratio,
-        })
-    }
-
-    async fn timed(
-        &self,
-        plan: &RowPlan,
-        peer: &Arc<Peer>,
-        local: kvfabric_engine::RegionId,
-        remote: &RegionDesc,
-        label: &str,
-    ) -> Result<Timed> {
-        let blocks = (plan.pool_bytes / plan.block_size) as u32;
-        let bar = if self.quiet {
-            ProgressBar::hidden()
         } else {
-            ProgressBar::new((plan.duration * 1000.0) as u64)
-        };
-        bar.set_style(
-            ProgressStyle::with_template("{prefix:>28} [{bar:30}] {elapsed:>3} {msg}")
-                .expect("valid template")
-                .progress_chars("=> "),
-        );
-        bar.set_prefix(format!("{label} {} {}", plan.op, human(plan.block_size)));
-        let moved = Arc::new(AtomicU64::new(0));
-        let span = Duration::from_secs_f64(plan.duration);
-        let mut slots = Vec::new();
-        let start = Instant::now();
-        for k in 0..plan.concurrency {
-            let peer = peer.clone();
-            let moved = moved.clone();
-            let plan = plan.clone();
-            let remote_id = remote.id;
-            // Each slot is a plain thread that blocks on its batch: the engine's completing
-            // thread wakes it directly, with no async scheduler in between.
-            slots.push(tokio::task::spawn_blocking(move || {
-                let mut rng = SmallRng::seed_from_u64(k as u64 + 1);
-                // Each slot owns a disjoint share of destination blocks, so the final content
-                // of every destination block is well defined.
-                let mut mine: Vec<u32> = (k as u32..blocks).step_by(plan.concurrency).collect();
-                let mut latencies = Vec::new();
-                let mut written: HashMap<u32, u32> = HashMap::new();
-                let mut batches = 0u64;
-                let bs = plan.block_size;
-                while start.elapsed() < span {
-                    for i in 0..plan.per_batch {
-                        let j = rng.random_range(i..mine.len());
-                        mine.swap(i, j);
-                    }
-                    let pairs: Vec<(u32, u32)> = mine[..plan.per_batch]
-                        .iter()
-                        .map(|&d| (d, rng.random_range(0..blocks)))
-                        .collect();
-                    let ops = pairs
-                        .iter()
-                        .map(|&(d, s)| {
-                            let (lo, ro) = match plan.op {
-                                Opcode::Read => (d, s),
-                                Opcode::Write => (s, d),
-                            };
-                            BlockOp {
-                                local_region: local,
-                                local_offset: lo as u64 * bs,
-                                remote_region: remote_id,
-                                remote_offset: ro as u64 * bs,
-                                len: bs,
-                            }
-                        })
-                        .collect();
-                    let t = Instant::now();
-                    let batch = Batch::new(plan.op, ops).with_checksum(plan.checksum);
-                    let result = peer.run(batch)?;
-                    latencies.push(t.elapsed());
-                    written.extend(pairs);
-                    batches += 1;
-                    moved.fetch_add(result.bytes, Ordering::Relaxed);
-                }
-                Ok::<_, Error>((batches, latencies, written))
-            }));
-        }
-        let ticker = {
-            let bar = bar.clone();
-            let moved = moved.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    let secs = start.elapsed().as_secs_f64();
-                    bar.set_position((secs * 1000.0) as u64);
-                    let gb = moved.load(Ordering::Relaxed) as f64 / 1e9;
-                    bar.set_message(format!("{:.2} GB/s", gb / secs));
-                }
-            })
-        };
-        let mut timed = Timed::default();
-        let mut failure = None;
-        for slot in slots {
-            match slot.await {
-                Ok(Ok((batches, lat, written))) => {
-                    timed.batches += batches;
-                    timed.latencies.extend(lat);
-                    timed.written.extend(written);
-                }
-                Ok(Err(e)) => failure = Some(e),
-                Err(e) => failure = Some(Error::io("bench slot", std::io::Error::other(e))),
+            SlotShape {
+                op: plan.op,
+                first_dest: k as u32,
+                stride: plan.concurrency,
+                sources: blocks,
             }
         }
-        timed.seconds = start.elapsed().as_secs_f64();
-        ticker.abort();
-        bar.finish_and_clear();
-        if let Some(e) = failure {
-            return Err(e);
-        }
-        timed.bytes = moved.load(Ordering::Relaxed);
-        Ok(timed)
     }
 }

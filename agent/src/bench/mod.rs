@@ -14,14 +14,14 @@ use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::Duration;
 
-use kvfabric_engine::{Engine, EngineConfig, Opcode};
+use kvfabric_engine::{CudaPath, Engine, EngineConfig, Location, Opcode};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 pub use initiator::RowPlan;
 pub use report::Row;
 
-use crate::cli::{BenchArgs, OpArg, TransportArg};
+use crate::cli::{BenchArgs, CudaPathArg, OpArg, SelftestArgs, TransportArg};
 use crate::error::{Error, Result};
 use initiator::Initiator;
 use layout::Layout;
@@ -43,6 +43,17 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     let engine = Engine::new(EngineConfig {
         name: "bench-initiator".into(),
         tcp_connections: args.connections,
+        cuda_path: match args.cuda_path {
+            CudaPathArg::Sm => CudaPath::Sm,
+            CudaPathArg::Ce => CudaPath::Ce,
+        },
+        cuda_spin: args.cuda_spin,
+        // --cuda-spin is the lowest-latency setting: the waiting slot polls briefly too.
+        spin_wait: if args.cuda_spin {
+            Duration::from_micros(200)
+        } else {
+            Duration::ZERO
+        },
         ..EngineConfig::default()
     })?;
     if !args.json {
@@ -87,8 +98,11 @@ async fn run_rows(
 /// The rows a run measures: the flags given, or the main job (tcp and shm, write and read, at
 /// the model's block size, plus the single-block latency row).
 pub fn plans(args: &BenchArgs, layout: &Layout) -> Vec<RowPlan> {
+    let gpu = |l: Location| matches!(l, Location::Cuda { .. });
     let transports = match args.transport {
         Some(t) => vec![t],
+        None if gpu(args.location) && gpu(args.peer_location) => vec![TransportArg::CudaIpc],
+        None if gpu(args.location) || gpu(args.peer_location) => vec![TransportArg::Auto],
         None => vec![TransportArg::Tcp, TransportArg::Shm],
     };
     let ops = match args.op {
@@ -108,9 +122,23 @@ pub fn plans(args: &BenchArgs, layout: &Layout) -> Vec<RowPlan> {
         duration: args.duration,
         checksum: args.checksum,
         key: args.key,
+        location: args.location,
+        peer_location: args.peer_location,
+        bidirectional: args.bidirectional,
+        cuda_path: match args.cuda_path {
+            CudaPathArg::Sm => CudaPath::Sm,
+            CudaPathArg::Ce => CudaPath::Ce,
+        },
     };
     let mut plans = Vec::new();
     for &transport in &transports {
+        if args.bidirectional {
+            plans.push(RowPlan {
+                transport,
+                ..base.clone()
+            });
+            continue;
+        }
         for &op in &ops {
             plans.push(RowPlan {
                 transport,
@@ -120,10 +148,14 @@ pub fn plans(args: &BenchArgs, layout: &Layout) -> Vec<RowPlan> {
         }
     }
     let default_shape = args.block_size.is_none() && args.blocks_per_batch.is_none();
-    if default_shape && !args.no_latency && transports.contains(&TransportArg::Tcp) {
+    let latency_transport = [TransportArg::Tcp, TransportArg::CudaIpc]
+        .into_iter()
+        .find(|t| transports.contains(t));
+    if let Some(transport) = latency_transport.filter(|_| default_shape && !args.no_latency) {
         plans.push(RowPlan {
-            transport: TransportArg::Tcp,
+            transport,
             op: Opcode::Read,
+            bidirectional: false,
             block_size: LATENCY_BLOCK,
             per_batch: 1,
             concurrency: 1,
@@ -169,6 +201,16 @@ async fn spawn_target(args: &BenchArgs) -> Result<(SocketAddr, Child)> {
             reason: format!("did not announce its address (got {line:?})"),
         }),
     }
+}
+
+/// `kvfabric gpu-selftest`: the GPU copy machinery against host mirrors; prints one JSON line.
+pub fn selftest(args: SelftestArgs) -> Result<()> {
+    let report = kvfabric_engine::cuda::selftest(args.devices, args.rounds, args.seed)?;
+    println!(
+        "{}",
+        serde_json::json!({ "selftest": "passed", "report": report })
+    );
+    Ok(())
 }
 
 async fn stop_target(child: &mut Child) {

@@ -18,6 +18,30 @@ pub fn fill_pool(seed: u64, block_size: usize, pool: &mut [u8]) {
     }
 }
 
+/// A bench pool of `bytes` at `location`, filled from `seed`: SmallRng blocks on the host, the
+/// device pattern (filled by a kernel) on a GPU.
+pub fn alloc_pool(
+    engine: &kvfabric_engine::Engine,
+    location: kvfabric_engine::Location,
+    bytes: u64,
+    block_size: u64,
+    seed: u64,
+) -> kvfabric_engine::Result<std::sync::Arc<kvfabric_engine::Region>> {
+    match location {
+        kvfabric_engine::Location::Cuda { device } => {
+            let region = engine.alloc_cuda(device, bytes)?;
+            kvfabric_engine::cuda::fill(&region, block_size, seed)?;
+            Ok(region)
+        }
+        kvfabric_engine::Location::Host { .. } => {
+            let region = engine.alloc(bytes)?;
+            // SAFETY: the region is new and not yet published; nothing else can touch it.
+            fill_pool(seed, block_size as usize, unsafe { region.as_mut_slice() });
+            Ok(region)
+        }
+    }
+}
+
 /// What a destination pool must hold after a run: the source block last written into each
 /// destination block, poison everywhere else.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -37,6 +61,51 @@ pub struct Verdict {
 }
 
 impl Expectation {
+    /// For each of `blocks` destination blocks, the source block written into it, or u32::MAX
+    /// where it must still hold poison (the GPU verify kernel's input).
+    pub fn source_of(&self, blocks: usize) -> Vec<u32> {
+        let mut source = vec![u32::MAX; blocks];
+        for &(d, s) in &self.written {
+            if let Some(slot) = source.get_mut(d as usize) {
+                *slot = s;
+            }
+        }
+        source
+    }
+
+    /// Checks a pool wherever it lives: on the host byte by byte, on a GPU with the verify
+    /// kernel (a GPU pool holds the device pattern, see `kvfabric_engine::cuda::fill`).
+    pub fn verify_region(
+        &self,
+        region: &std::sync::Arc<kvfabric_engine::Region>,
+    ) -> kvfabric_engine::Result<Verdict> {
+        if region.device_ptr().is_none() {
+            // SAFETY: the bench verifies only after every batch has completed.
+            return Ok(self.verify(unsafe { region.as_slice() }));
+        }
+        let blocks = (region.len() / self.block_size) as usize;
+        let v = kvfabric_engine::cuda::verify(
+            region,
+            self.block_size,
+            &self.source_of(blocks),
+            self.source_seed,
+            self.poison_seed,
+        )?;
+        let words = self.block_size / 8;
+        Ok(Verdict {
+            blocks_checked: blocks as u64,
+            mismatches: v.bad_words,
+            first: v.first_bad_word.map(|w| {
+                format!(
+                    "{} bad 8-byte words; first in destination block {} at +{}",
+                    v.bad_words,
+                    w / words,
+                    w % words * 8
+                )
+            }),
+        })
+    }
+
     /// Compares every byte of `pool` (including blocks that must still hold poison).
     pub fn verify(&self, pool: &[u8]) -> Verdict {
         let bs = self.block_size as usize;

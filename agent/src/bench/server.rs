@@ -163,6 +163,7 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
             bytes,
             block_size,
             seed,
+            location,
         } => {
             if block_size == 0 || bytes < block_size {
                 return Err(Error::config(
@@ -171,9 +172,7 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
                     "must be 1..=pool bytes",
                 ));
             }
-            let region = engine.alloc(bytes)?;
-            // SAFETY: the region is new and not yet published; nothing else can touch it.
-            pattern::fill_pool(seed, block_size as usize, unsafe { region.as_mut_slice() });
+            let region = pattern::alloc_pool(engine, location, bytes, block_size, seed)?;
             Reply::Prepared {
                 descriptor: engine.descriptor(),
                 region: RegionDesc::of(&region),
@@ -184,8 +183,7 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
             expectation,
         } => {
             let region = engine.region(region)?;
-            // SAFETY: the initiator asks only after its transfers have completed.
-            let verdict = expectation.verify(unsafe { region.as_slice() });
+            let verdict = expectation.verify_region(&region)?;
             Reply::Verified { verdict }
         }
         Request::Release { region } => {

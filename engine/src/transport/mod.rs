@@ -8,8 +8,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::batch::Job;
 use crate::frame::Entry;
-use crate::region::RawRange;
+use crate::region::{Location, RawRange};
+use crate::segment::SegmentDescriptor;
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_ipc;
 pub(crate) mod io;
 pub(crate) mod listener;
 pub mod select;
@@ -63,6 +66,8 @@ pub(crate) struct Piece {
     pub remote: Entry,
     /// Index of the caller's op this piece starts at, for error messages.
     pub op: usize,
+    /// Where the local bytes live (a GPU piece's `local` holds a device address).
+    pub location: Location,
 }
 
 /// The per-peer half of a transport: takes a planned batch and completes its job.
@@ -77,6 +82,8 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug {
     }
     /// Live data connections and bytes moved, for status output.
     fn stats(&self) -> TransportStats;
+    /// The peer published a new descriptor (regions added or gone).
+    fn regions_changed(&self, _descriptor: &SegmentDescriptor) {}
 }
 
 #[derive(Debug, Clone, Default, Serialize)]

@@ -70,7 +70,26 @@ fn unavailable(
                     })
             }
         }
-        TransportKind::CudaIpc => Some("cuda-ipc is not built into this engine yet".into()),
+        TransportKind::CudaIpc => {
+            if !cfg!(feature = "cuda") {
+                Some("cuda-ipc is not built into this engine (cargo feature `cuda` is off)".into())
+            } else if remote.node != local_node {
+                Some(format!("peer is on another node ({})", remote.node))
+            } else if remote.regions.is_empty() {
+                Some("peer publishes no regions".into())
+            } else {
+                remote
+                    .regions
+                    .iter()
+                    .find(|r| !matches!(r.location, Location::Cuda { .. }) || r.ipc.is_none())
+                    .map(|r| {
+                        format!(
+                            "region {} ({}) is not an exported GPU region",
+                            r.id, r.location
+                        )
+                    })
+            }
+        }
         TransportKind::Rdma => Some("rdma is not built into this engine yet".into()),
     }
 }
@@ -92,23 +111,39 @@ pub fn select(
                 reason,
             }),
         },
-        Preference::Auto => match unavailable(TransportKind::Shm, local_node, remote) {
-            None => Ok(Selection {
-                kind: TransportKind::Shm,
-                reason: "same node: peer memory is mapped directly".into(),
-            }),
-            Some(no_shm) => match unavailable(TransportKind::Tcp, local_node, remote) {
+        Preference::Auto => {
+            let no_ipc = match unavailable(TransportKind::CudaIpc, local_node, remote) {
+                None => {
+                    return Ok(Selection {
+                        kind: TransportKind::CudaIpc,
+                        reason: "same node, GPU regions: peer memory is mapped with CUDA IPC"
+                            .into(),
+                    });
+                }
+                Some(r) => r,
+            };
+            match unavailable(TransportKind::Shm, local_node, remote) {
                 None => Ok(Selection {
-                    kind: TransportKind::Tcp,
-                    reason: format!("shm not possible: {no_shm}"),
+                    kind: TransportKind::Shm,
+                    reason: format!(
+                        "same node: peer memory is mapped directly (cuda-ipc not possible: {no_ipc})"
+                    ),
                 }),
-                Some(no_tcp) => Err(Error::TransportUnavailable {
-                    transport: TransportKind::Tcp,
-                    segment: remote.name.clone(),
-                    reason: format!("{no_tcp}; shm not possible: {no_shm}"),
-                }),
-            },
-        },
+                Some(no_shm) => match unavailable(TransportKind::Tcp, local_node, remote) {
+                    None => Ok(Selection {
+                        kind: TransportKind::Tcp,
+                        reason: format!(
+                            "shm not possible: {no_shm}; cuda-ipc not possible: {no_ipc}"
+                        ),
+                    }),
+                    Some(no_tcp) => Err(Error::TransportUnavailable {
+                        transport: TransportKind::Tcp,
+                        segment: remote.name.clone(),
+                        reason: format!("{no_tcp}; shm not possible: {no_shm}"),
+                    }),
+                },
+            }
+        }
     }
 }
 
@@ -129,6 +164,7 @@ mod tests {
                 location: Location::Host { numa: None },
                 key: AccessKey(1),
                 shareable,
+                ipc: None,
             }],
             endpoints: Endpoints {
                 tcp: Some("127.0.0.1:1".parse().unwrap()),
@@ -158,5 +194,41 @@ mod tests {
         let err = select("n1", &desc("n1", true, true), "rdma".parse().unwrap()).unwrap_err();
         assert!(err.to_string().contains("not built"), "{err}");
         assert!("carrier-pigeon".parse::<Preference>().is_err());
+    }
+
+    fn gpu_desc(node: &str, exported: bool) -> SegmentDescriptor {
+        let mut d = desc(node, true, false);
+        d.regions[0].location = Location::Cuda { device: 1 };
+        d.regions[0].ipc = exported.then_some(crate::cuda::CudaExport {
+            handle: crate::cuda::IpcHandle([1; 64]),
+            offset: 0,
+        });
+        d
+    }
+
+    #[test]
+    fn gpu_regions_on_the_same_node_select_cuda_ipc_with_a_visible_reason() {
+        let s = select("n1", &gpu_desc("n1", true), Preference::Auto).unwrap();
+        if cfg!(feature = "cuda") {
+            assert_eq!(s.kind, TransportKind::CudaIpc);
+            assert!(s.reason.contains("CUDA IPC"), "{}", s.reason);
+        } else {
+            assert_eq!(s.kind, TransportKind::Tcp);
+            assert!(s.reason.contains("feature `cuda` is off"), "{}", s.reason);
+        }
+        // Another node: tcp (through staging), and the reason names both refusals.
+        let s = select("n1", &gpu_desc("n2", true), Preference::Auto).unwrap();
+        assert_eq!(s.kind, TransportKind::Tcp);
+        assert!(s.reason.contains("cuda-ipc not possible"), "{}", s.reason);
+        // A GPU region without an IPC export cannot go over cuda-ipc.
+        let err = select("n1", &gpu_desc("n1", false), "cuda-ipc".parse().unwrap()).unwrap_err();
+        assert!(
+            err.to_string().contains("not an exported GPU region") || !cfg!(feature = "cuda"),
+            "{err}"
+        );
+        // Host regions on the same node stay on shm, and say why not cuda-ipc.
+        let s = select("n1", &desc("n1", true, true), Preference::Auto).unwrap();
+        assert_eq!(s.kind, TransportKind::Shm);
+        assert!(s.reason.contains("cuda-ipc not possible"), "{}", s.reason);
     }
 }

@@ -8,12 +8,13 @@ use std::sync::Arc;
 
 use tracing::{debug, info};
 
+use super::TransportKind;
 use super::io::{discard, hang_up, read_exact_vectored, write_all_vectored};
 use crate::engine::Inner;
 use crate::error::{Error, Result, Side};
 use crate::frame::{FLAG_CRC, FrameError, FrameKind, Header, decode_crcs, decode_manifest};
 use crate::handshake::{self, closed_or_io, read_header, send_error};
-use crate::region::{Lease, RawRange};
+use crate::region::{Lease, Location, RawRange};
 
 /// Largest refused payload we drain to keep a connection; past it we just close.
 const DISCARD_LIMIT: u64 = 1 << 32;
@@ -109,6 +110,15 @@ impl ServerConn {
                     r
                 }
             };
+            // A device pointer is no host address: never let a socket read or write through it.
+            if let Location::Cuda { .. } = region.location() {
+                return Err(Error::StagingNotConfigured {
+                    op: i,
+                    region: region.id(),
+                    location: region.location(),
+                    transport: TransportKind::Tcp,
+                });
+            }
             ranges.push(region.range(i, "remote_offset", e.offset, e.len)?);
         }
         if writes {

@@ -1,0 +1,290 @@
+//! One device's copy machinery: a pool of slots (stream, completion event, op-list buffers) and a
+//! completion thread. A batch takes a slot, becomes ONE piece of GPU work (a kernel launch over a
+//! device-side op list, or one batched copy-engine call), and is completed by the thread that
+//! waits on the slot's event, so the submitting thread never waits and no thread spins by default.
+
+use std::any::Any;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+use tracing::warn;
+
+use super::CudaPath;
+use super::driver::{self, Device, DeviceMem, Event, Pinned, Stream, check};
+use super::oplist::OpList;
+use crate::error::{Error, Result};
+
+/// The SM path cuts ops to this size so the warps of the persistent grid stay evenly busy.
+const MAX_PIECE: u64 = 64 << 10;
+/// Batches of at most this many (split) ops go as kernel parameters (`KVF_INLINE_OPS`).
+const INLINE_OPS: usize = 16;
+/// A spinning completion thread goes back to sleeping after this long without work.
+const SPIN_IDLE: Duration = Duration::from_millis(20);
+
+/// `KvfInline` of copy.cu.
+#[repr(C)]
+struct InlineOps {
+    count: u64,
+    ops: [[u64; 3]; INLINE_OPS],
+}
+
+/// One copy: device addresses valid in this process, on `src_device` and `dst_device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeviceCopy {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+
+pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+struct Slot {
+    stream: Stream,
+    event: Event,
+    host: Pinned,
+    dev: DeviceMem,
+    list: OpList,
+}
+
+struct Pending {
+    slot: Slot,
+    done: Done,
+    _keep: Vec<Arc<dyn Any + Send + Sync>>,
+}
+
+pub(crate) struct Lane {
+    device: &'static Device,
+    free: Arc<Mutex<Vec<Slot>>>,
+    tx: Mutex<Sender<Pending>>,
+    spin: bool,
+    /// Cleared once the driver refuses cuMemcpyBatchAsync; the CE path then issues one async copy
+    /// per op on the slot's stream.
+    ce_batch: AtomicBool,
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Lane({:?})", self.device)
+    }
+}
+
+impl Lane {
+    pub(crate) fn new(device: &'static Device, spin: bool) -> Result<Arc<Lane>> {
+        device.kernels()?;
+        let (tx, rx) = channel::<Pending>();
+        let free: Arc<Mutex<Vec<Slot>>> = Arc::default();
+        let back = free.clone();
+        std::thread::Builder::new()
+            .name(format!("kvf-cuda{}-done", device.ordinal))
+            .spawn(move || {
+                let bound = device.bind();
+                while let Some(p) = next(&rx, spin) {
+                    let r = bound.as_ref().map_err(|e| e.duplicate()).and_then(|_| {
+                        if spin {
+                            p.slot.event.spin()
+                        } else {
+                            p.slot.event.synchronize()
+                        }
+                    });
+                    let Pending { slot, done, _keep } = p;
+                    // The slot's buffers are free again only once the GPU is past them.
+                    if r.is_ok() {
+                        back.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+                    }
+                    drop(_keep);
+                    done(r);
+                }
+            })
+            .map_err(|e| Error::io("spawn cuda completion thread", e))?;
+        Ok(Arc::new(Lane {
+            device,
+            free,
+            tx: Mutex::new(tx),
+            spin,
+            ce_batch: AtomicBool::new(true),
+        }))
+    }
+
+    fn slot(&self) -> Result<Slot> {
+        if let Some(s) = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            return Ok(s);
+        }
+        let cap = 64 << 10;
+        Ok(Slot {
+            stream: Stream::new(self.device)?,
+            event: Event::new(self.device, !self.spin, false)?,
+            host: Pinned::alloc(self.device, cap)?,
+            dev: DeviceMem::alloc(self.device, cap as u64)?,
+            list: OpList::new(MAX_PIECE),
+        })
+    }
+
+    /// Queues `copies` as one piece of GPU work; `done` runs on the completion thread once it
+    /// has finished (or failed). `keep` lives until then (mappings the copies go through).
+    pub(crate) fn submit(
+        &self,
+        path: CudaPath,
+        copies: &[DeviceCopy],
+        hints: (u32, u32),
+        done: Done,
+        keep: Vec<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<()> {
+        self.device.bind()?;
+        let mut slot = self.slot()?;
+        match path {
+            CudaPath::Sm => self.enqueue_kernel(&mut slot, copies)?,
+            CudaPath::Ce => self.enqueue_copy_engine(&slot, copies, hints)?,
+        }
+        slot.event.record(&slot.stream)?;
+        let pending = Pending {
+            slot,
+            done,
+            _keep: keep,
+        };
+        self.tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(pending)
+            .map_err(|_| Error::ShuttingDown)
+    }
+
+    fn enqueue_kernel(&self, slot: &mut Slot, copies: &[DeviceCopy]) -> Result<()> {
+        slot.list.clear();
+        for c in copies {
+            slot.list.push(c.src, c.dst, c.len);
+        }
+        let k = self.device.kernels()?;
+        let warps_per_cta = (driver::THREADS / 32) as usize;
+        let n = slot.list.len();
+        if n <= INLINE_OPS {
+            let mut inline = InlineOps {
+                count: n as u64,
+                ops: [[0; 3]; INLINE_OPS],
+            };
+            for (o, op) in inline.ops.iter_mut().zip(slot.list.ops()) {
+                *o = [op.src, op.dst, op.len];
+            }
+            let mut params = [(&mut inline as *mut InlineOps).cast::<c_void>()];
+            // SAFETY: kvf_copy_inline takes one KvfInline by value (laid out as InlineOps);
+            // the addresses in it are bounds-checked and kept alive until completion.
+            return unsafe {
+                driver::launch(
+                    k.copy_inline,
+                    n.div_ceil(warps_per_cta) as u32,
+                    slot.stream.0,
+                    &mut params,
+                )
+            };
+        }
+        let words = slot.list.words();
+        let bytes = std::mem::size_of_val(words);
+        if bytes > slot.host.len {
+            let cap = bytes.next_power_of_two();
+            slot.host = Pinned::alloc(self.device, cap)?;
+            slot.dev = DeviceMem::alloc(self.device, cap as u64)?;
+        }
+        // SAFETY: the pinned buffer holds at least `bytes`, and the GPU is not reading it: a slot
+        // is only handed out after its previous work completed.
+        unsafe { std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), slot.host.ptr, bytes) };
+        // SAFETY: both buffers hold `bytes`; the pinned source stays untouched until the event.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(slot.dev.ptr, slot.host.ptr.cast(), bytes, slot.stream.0)
+        })?;
+        // One CTA per SM: enough loads in flight to fill the link, and room on every SM for the
+        // kernels of other batches in flight (a pull and a push run side by side).
+        let grid = (slot.list.len().div_ceil(warps_per_cta) as u32).clamp(1, self.device.sm_count);
+        let mut list = slot.dev.ptr;
+        let mut params = [&mut list as *mut u64 as *mut c_void];
+        // SAFETY: kvf_copy takes one pointer (the op list, uploaded above on the same stream);
+        // every address in the list was bounds-checked against a live region or mapping, which
+        // the caller keeps alive until completion.
+        unsafe { driver::launch(k.copy, grid, slot.stream.0, &mut params) }
+    }
+
+    fn enqueue_copy_engine(
+        &self,
+        slot: &Slot,
+        copies: &[DeviceCopy],
+        hints: (u32, u32),
+    ) -> Result<()> {
+        if self.ce_batch.load(Ordering::Relaxed) {
+            match batch_copy(slot, copies, hints) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    warn!(error = %e, "cuMemcpyBatchAsync refused; copy engine path falls back to one async copy per op");
+                    self.ce_batch.store(false, Ordering::Relaxed);
+                }
+            }
+        }
+        for c in copies {
+            // SAFETY: bounds-checked addresses kept alive by the caller until completion.
+            check("cuMemcpyDtoDAsync", unsafe {
+                sys::cuMemcpyDtoDAsync_v2(c.dst, c.src, c.len as usize, slot.stream.0)
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// The next finished-or-not batch to wait for: blocking on the channel, or (spin mode) polling
+/// it while work keeps coming. None once the lane is gone.
+fn next(rx: &Receiver<Pending>, spin: bool) -> Option<Pending> {
+    if spin {
+        let idle = Instant::now();
+        while idle.elapsed() < SPIN_IDLE {
+            match rx.try_recv() {
+                Ok(p) => return Some(p),
+                Err(TryRecvError::Empty) => std::hint::spin_loop(),
+                Err(TryRecvError::Disconnected) => return None,
+            }
+        }
+    }
+    rx.recv().ok()
+}
+
+/// The driver's batched copy (CUDA 12.8+, `_v2` since 13.0): one call for the whole batch,
+/// carried out by the copy engines, no SM involved.
+fn batch_copy(slot: &Slot, copies: &[DeviceCopy], (src_dev, dst_dev): (u32, u32)) -> Result<()> {
+    let mut srcs: Vec<u64> = copies.iter().map(|c| c.src).collect();
+    let mut dsts: Vec<u64> = copies.iter().map(|c| c.dst).collect();
+    let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
+    let loc = |id: u32| sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: id as i32,
+    };
+    let mut attrs = [sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: loc(src_dev),
+        dstLocHint: loc(dst_dev),
+        flags: 0,
+    }];
+    let mut idx = [0usize];
+    let call = || {
+        // SAFETY: the arrays hold `copies.len()` entries and outlive the call (the driver copies
+        // them before returning); the addresses are bounds-checked and kept alive by the caller.
+        unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                copies.len(),
+                attrs.as_mut_ptr(),
+                idx.as_mut_ptr(),
+                1,
+                slot.stream.0,
+            )
+        }
+    };
+    // A driver without the entry point makes cudarc panic; that is a refusal, not a crash.
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(r) => check("cuMemcpyBatchAsync", r),
+        Err(_) => Err(Error::Cuda {
+            call: "cuMemcpyBatchAsync",
+            code: "entry point missing from the driver".into(),
+        }),
+    }
+}

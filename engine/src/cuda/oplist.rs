@@ -1,0 +1,220 @@
+//! The device-side op list of the SM copy path, built on the host. Pure arithmetic, so it is
+//! tested on machines without a GPU.
+//!
+//! Layout (little-endian u64 words, read by `kvf_copy` in copy.cu): `[next, count]` then `count`
+//! triples `(src, dst, len)`. `next` is the kernel's work counter and is uploaded as 0.
+
+/// Width of one vector access in the kernel.
+pub const VECTOR: u64 = 16;
+/// Words before the first op.
+pub const HEADER_WORDS: usize = 2;
+/// Words per op.
+pub const OP_WORDS: usize = 3;
+
+/// One copy as the kernel sees it: device addresses in this process and a length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceOp {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+
+impl DeviceOp {
+    /// Whether the kernel takes its 16-byte vector path for this op.
+    pub fn vectorized(&self) -> bool {
+        (self.src | self.dst | self.len).is_multiple_of(VECTOR)
+    }
+}
+
+/// Splits one copy into at most three: a bytewise head up to the next 16-byte boundary, an
+/// aligned body, and a bytewise tail. When source and destination disagree modulo 16 no split
+/// can align both, and the whole copy goes bytewise (correct, slow; KV blocks never do this).
+pub fn split_aligned(src: u64, dst: u64, len: u64) -> [Option<DeviceOp>; 3] {
+    if !(src ^ dst).is_multiple_of(VECTOR) || len < VECTOR {
+        return [Some(DeviceOp { src, dst, len }), None, None];
+    }
+    let head = ((VECTOR - src % VECTOR) % VECTOR).min(len);
+    let body = (len - head) / VECTOR * VECTOR;
+    let tail = len - head - body;
+    let piece = |at: u64, n: u64| {
+        (n > 0).then_some(DeviceOp {
+            src: src + at,
+            dst: dst + at,
+            len: n,
+        })
+    };
+    [piece(0, head), piece(head, body), piece(head + body, tail)]
+}
+
+/// A growing op list in the kernel's layout.
+#[derive(Debug, Clone)]
+pub struct OpList {
+    words: Vec<u64>,
+    /// Ops longer than this are cut, so one huge op spreads over many warps.
+    max_piece: u64,
+}
+
+impl OpList {
+    pub fn new(max_piece: u64) -> Self {
+        OpList {
+            words: vec![0; HEADER_WORDS],
+            max_piece: max_piece.max(VECTOR) / VECTOR * VECTOR,
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.words.truncate(HEADER_WORDS);
+        self.words[0] = 0;
+        self.words[1] = 0;
+    }
+
+    pub fn len(&self) -> usize {
+        (self.words.len() - HEADER_WORDS) / OP_WORDS
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Adds one copy, aligned and cut as the kernel wants it.
+    pub fn push(&mut self, src: u64, dst: u64, len: u64) {
+        for op in split_aligned(src, dst, len).into_iter().flatten() {
+            let mut at = 0;
+            while at < op.len {
+                let n = (op.len - at).min(self.max_piece);
+                self.words.extend_from_slice(&[op.src + at, op.dst + at, n]);
+                at += n;
+            }
+        }
+        self.words[1] = self.len() as u64;
+    }
+
+    /// The list as the kernel reads it.
+    pub fn words(&self) -> &[u64] {
+        &self.words
+    }
+
+    pub fn ops(&self) -> impl Iterator<Item = DeviceOp> + '_ {
+        self.words[HEADER_WORDS..]
+            .chunks_exact(OP_WORDS)
+            .map(|w| DeviceOp {
+                src: w[0],
+                dst: w[1],
+                len: w[2],
+            })
+    }
+}
+
+/// Word `i` of block `b` of a pool filled from `seed` (the bench's device pattern; the same mix
+/// as `kvf_word` in copy.cu).
+pub fn pattern_word(seed: u64, b: u64, i: u64) -> u64 {
+    let mut x = seed
+        .wrapping_add(b.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .wrapping_add(i.wrapping_mul(0xD1B5_4A32_D192_ED03));
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    x
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn covered(parts: &[DeviceOp], src: u64, dst: u64, len: u64) {
+        let mut at = 0;
+        for p in parts {
+            assert_eq!(p.src, src + at, "{parts:?}");
+            assert_eq!(p.dst, dst + at, "{parts:?}");
+            at += p.len;
+        }
+        assert_eq!(at, len, "{parts:?}");
+    }
+
+    #[test]
+    fn aligned_copies_stay_whole_and_vectorized() {
+        let parts: Vec<_> = split_aligned(0x1000, 0x2000, 4096)
+            .into_iter()
+            .flatten()
+            .collect();
+        assert_eq!(
+            parts,
+            [DeviceOp {
+                src: 0x1000,
+                dst: 0x2000,
+                len: 4096
+            }]
+        );
+        assert!(parts[0].vectorized());
+    }
+
+    #[test]
+    fn unaligned_heads_and_tails_go_bytewise_around_an_aligned_body() {
+        let (src, dst, len) = (0x1003, 0x2003, 100);
+        let parts: Vec<_> = split_aligned(src, dst, len).into_iter().flatten().collect();
+        assert_eq!(parts.len(), 3);
+        assert_eq!(parts[0].len, 13);
+        assert!(parts[1].vectorized() && parts[1].len == 80);
+        assert_eq!(parts[2].len, 7);
+        assert!(!parts[0].vectorized() && !parts[2].vectorized());
+        covered(&parts, src, dst, len);
+    }
+
+    #[test]
+    fn mutually_misaligned_or_tiny_copies_go_bytewise_whole() {
+        for (src, dst, len) in [
+            (0x1001, 0x2002, 4096),
+            (0x1000, 0x2000, 5),
+            (0x1008, 0x2008, 15),
+        ] {
+            let parts: Vec<_> = split_aligned(src, dst, len).into_iter().flatten().collect();
+            assert_eq!(parts, [DeviceOp { src, dst, len }]);
+        }
+        // Too short to reach a boundary: still one bytewise piece, never a zero-length one.
+        let parts: Vec<_> = split_aligned(0x100f, 0x200f, 17)
+            .into_iter()
+            .flatten()
+            .collect();
+        assert!(parts.iter().all(|p| p.len > 0));
+        covered(&parts, 0x100f, 0x200f, 17);
+    }
+
+    #[test]
+    fn op_list_packs_header_then_triples_and_cuts_long_ops() {
+        let mut list = OpList::new(64 << 10);
+        list.push(0x10_0000, 0x20_0000, 200 << 10);
+        list.push(0x30_0001, 0x40_0001, 31);
+        let w = list.words();
+        assert_eq!(w[0], 0, "the work counter starts at zero");
+        assert_eq!(w[1] as usize, list.len());
+        // 200 KiB in 64 KiB pieces: 4; then 15 head bytes + 16 aligned.
+        assert_eq!(list.len(), 4 + 2);
+        assert_eq!(w.len(), HEADER_WORDS + list.len() * OP_WORDS);
+        let ops: Vec<_> = list.ops().collect();
+        assert_eq!(
+            ops[3],
+            DeviceOp {
+                src: 0x10_0000 + (192 << 10),
+                dst: 0x20_0000 + (192 << 10),
+                len: 8 << 10
+            }
+        );
+        assert!(ops[..4].iter().all(|o| o.vectorized()));
+        assert_eq!(ops[4].len, 15);
+        assert!(ops[5].vectorized());
+        list.clear();
+        assert!(list.is_empty());
+        assert_eq!(list.words(), [0, 0]);
+    }
+
+    #[test]
+    fn pattern_words_differ_by_seed_block_and_word() {
+        let a = pattern_word(1, 2, 3);
+        assert_ne!(a, pattern_word(2, 2, 3));
+        assert_ne!(a, pattern_word(1, 3, 3));
+        assert_ne!(a, pattern_word(1, 2, 4));
+        assert_eq!(a, pattern_word(1, 2, 3));
+    }
+}

@@ -1,0 +1,381 @@
+//! Driver-backed operations on GPU regions: allocation and registration, the bench's fill and
+//! verify kernels, host copies for tests, the peer-copy ceiling, and the GPU self-test.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+use rand::rngs::SmallRng;
+use rand::{Rng, RngCore, SeedableRng};
+
+use super::driver::{self, Device, DeviceMem, Event, Stream, check, enable_peer};
+use super::lane::{DeviceCopy, Lane};
+use super::{CudaExport, CudaPath, DeviceVerdict, SelftestReport};
+use crate::error::{Error, Result};
+use crate::region::{Location, Region, RegionId};
+
+pub fn device_count() -> Result<u32> {
+    Ok(driver::driver()?.devices.len() as u32)
+}
+
+pub(crate) fn alloc_region(id: RegionId, device: u32, len: u64) -> Result<Region> {
+    let dev = driver::device(device)?;
+    let mem = DeviceMem::alloc(dev, len)?;
+    // Fresh device memory holds whatever the last user left; a region starts zeroed, as host
+    // regions do.
+    // SAFETY: the allocation is `len` bytes and the context is current (alloc bound it).
+    check("cuMemsetD8", unsafe {
+        sys::cuMemsetD8_v2(mem.ptr, 0, len as usize)
+    })?;
+    let export = mem
+        .ipc_handle()
+        .ok()
+        .map(|handle| CudaExport { handle, offset: 0 });
+    let ptr = mem.ptr;
+    let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(mem);
+    Region::cuda(id, device, ptr, len, export, Some(owner))
+}
+
+pub(crate) fn register_region(id: RegionId, device: u32, ptr: u64, len: u64) -> Result<Region> {
+    let dev = driver::device(device)?;
+    dev.bind()?;
+    let not_ours = |reason: &'static str| Error::InvalidConfig {
+        field: "ptr",
+        value: format!("{ptr:#x}"),
+        reason,
+    };
+    let mut ordinal: i32 = -1;
+    // SAFETY: DEVICE_ORDINAL writes one int into the out-pointer.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut i32).cast::<c_void>(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(not_ours("not memory the CUDA driver knows"));
+    }
+    if ordinal != device as i32 {
+        return Err(not_ours("memory of another device than the one given"));
+    }
+    let (base, size) = driver::allocation_of(dev, ptr)?;
+    if ptr.checked_add(len).is_none_or(|end| end > base + size) {
+        return Err(Error::InvalidConfig {
+            field: "len",
+            value: len.to_string(),
+            reason: "extends past the end of the CUDA allocation",
+        });
+    }
+    let export = driver::ipc_handle(dev, base).ok().map(|handle| CudaExport {
+        handle,
+        offset: ptr - base,
+    });
+    Region::cuda(id, device, ptr, len, export, None)
+}
+
+fn region_device(region: &Region) -> Result<(&'static Device, u64)> {
+    match (region.location(), region.device_ptr()) {
+        (Location::Cuda { device }, Some(ptr)) => Ok((driver::device(device)?, ptr)),
+        (location, _) => Err(Error::InvalidConfig {
+            field: "region",
+            value: format!("{} ({location})", region.id()),
+            reason: "not a GPU region",
+        }),
+    }
+}
+
+fn whole_blocks(region: &Region, block_size: u64) -> Result<(u64, u64)> {
+    if block_size == 0 || !block_size.is_multiple_of(8) {
+        return Err(Error::InvalidConfig {
+            field: "block_size",
+            value: block_size.to_string(),
+            reason: "device patterns need a positive multiple of 8 bytes",
+        });
+    }
+    let blocks = region.len() / block_size;
+    Ok((blocks, blocks * block_size / 8))
+}
+
+fn grid(dev: &Device) -> u32 {
+    dev.sm_count * 4
+}
+
+/// Fills every whole block of a GPU region with the device pattern of `seed`.
+pub fn fill(region: &Arc<Region>, block_size: u64, seed: u64) -> Result<()> {
+    let (dev, ptr) = region_device(region)?;
+    let (_, words) = whole_blocks(region, block_size)?;
+    let k = dev.kernels()?;
+    let stream = Stream::new(dev)?;
+    let (mut p, mut w, mut wpb, mut s) = (ptr, words, block_size / 8, seed);
+    let mut params = [
+        (&mut p as *mut u64).cast::<c_void>(),
+        (&mut w as *mut u64).cast(),
+        (&mut wpb as *mut u64).cast(),
+        (&mut s as *mut u64).cast(),
+    ];
+    // SAFETY: kvf_fill(u64*, u64, u64, u64); writes `words` words inside the region.
+    unsafe { driver::launch(k.fill, grid(dev), stream.0, &mut params)? };
+    // SAFETY: live stream.
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(stream.0)
+    })
+}
+
+/// Checks every whole block of a GPU region: block `b` must hold source block `source_of[b]` of
+/// `source_seed`, or its own poison (`poison_seed`) where `source_of[b] == u32::MAX`.
+pub fn verify(
+    region: &Arc<Region>,
+    block_size: u64,
+    source_of: &[u32],
+    source_seed: u64,
+    poison_seed: u64,
+) -> Result<DeviceVerdict> {
+    let (dev, ptr) = region_device(region)?;
+    let (blocks, words) = whole_blocks(region, block_size)?;
+    if (source_of.len() as u64) < blocks {
+        return Err(Error::InvalidConfig {
+            field: "source_of",
+            value: source_of.len().to_string(),
+            reason: "needs one entry per block of the region",
+        });
+    }
+    let k = dev.kernels()?;
+    let map = DeviceMem::alloc(dev, blocks.max(1) * 4)?;
+    let bytes: Vec<u8> = source_of[..blocks as usize]
+        .iter()
+        .flat_map(|s| s.to_le_bytes())
+        .collect();
+    driver::copy_htod(dev, map.ptr, &bytes)?;
+    let result = DeviceMem::alloc(dev, 16)?;
+    let init: Vec<u8> = [0u64, u64::MAX]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    driver::copy_htod(dev, result.ptr, &init)?;
+    let stream = Stream::new(dev)?;
+    let (mut p, mut w, mut wpb, mut m, mut ss, mut ps, mut r) = (
+        ptr,
+        words,
+        block_size / 8,
+        map.ptr,
+        source_seed,
+        poison_seed,
+        result.ptr,
+    );
+    let mut params = [
+        (&mut p as *mut u64).cast::<c_void>(),
+        (&mut w as *mut u64).cast(),
+        (&mut wpb as *mut u64).cast(),
+        (&mut m as *mut u64).cast(),
+        (&mut ss as *mut u64).cast(),
+        (&mut ps as *mut u64).cast(),
+        (&mut r as *mut u64).cast(),
+    ];
+    // SAFETY: kvf_verify's seven parameters, all pointers to live device buffers of the sizes
+    // the kernel reads.
+    unsafe { driver::launch(k.verify, grid(dev), stream.0, &mut params)? };
+    // SAFETY: live stream.
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(stream.0)
+    })?;
+    let mut out = [0u8; 16];
+    driver::copy_dtoh(dev, &mut out, result.ptr)?;
+    let bad = u64::from_le_bytes(out[..8].try_into().expect("8 bytes"));
+    let first = u64::from_le_bytes(out[8..].try_into().expect("8 bytes"));
+    Ok(DeviceVerdict {
+        bad_words: bad,
+        first_bad_word: (bad > 0).then_some(first),
+    })
+}
+
+/// Copies `out.len()` bytes at `offset` of a GPU region to the host (tests, verification).
+pub fn copy_to_host(region: &Region, offset: u64, out: &mut [u8]) -> Result<()> {
+    let (dev, ptr) = region_device(region)?;
+    region.range(0, "offset", offset, out.len() as u64)?;
+    driver::copy_dtoh(dev, out, ptr + offset)
+}
+
+/// Copies `data` into a GPU region at `offset` (tests, setup).
+pub fn copy_from_host(region: &Region, offset: u64, data: &[u8]) -> Result<()> {
+    let (dev, ptr) = region_device(region)?;
+    region.range(0, "offset", offset, data.len() as u64)?;
+    driver::copy_htod(dev, ptr + offset, data)
+}
+
+struct PeerPair {
+    src: DeviceMem,
+    dst: DeviceMem,
+    stream: Stream,
+}
+
+fn peer_pair(dst: u32, src: u32, bytes: u64) -> Result<PeerPair> {
+    let (d, s) = (driver::device(dst)?, driver::device(src)?);
+    enable_peer(d, s)?;
+    enable_peer(s, d)?;
+    let src_mem = DeviceMem::alloc(s, bytes)?;
+    let src_region = Arc::new(Region::cuda(
+        RegionId(0),
+        src,
+        src_mem.ptr,
+        bytes,
+        None,
+        None,
+    )?);
+    // Never time zeros: the source holds the bench pattern.
+    fill(&src_region, 8, 0x5eed)?;
+    Ok(PeerPair {
+        src: src_mem,
+        dst: DeviceMem::alloc(d, bytes)?,
+        stream: Stream::new(d)?,
+    })
+}
+
+impl PeerPair {
+    fn copy(&self) -> Result<()> {
+        // SAFETY: both buffers hold `src.len` bytes and live until the stream is synchronized.
+        check("cuMemcpyPeerAsync", unsafe {
+            sys::cuMemcpyPeerAsync(
+                self.dst.ptr,
+                self.dst.device.ctx,
+                self.src.ptr,
+                self.src.device.ctx,
+                self.src.len as usize,
+                self.stream.0,
+            )
+        })
+    }
+    fn sync(&self) -> Result<()> {
+        // SAFETY: live stream.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.stream.0)
+        })
+    }
+}
+
+/// The ceiling of a cuda-ipc row: one contiguous cuMemcpyPeerAsync of `bytes` from `src` to `dst`,
+/// timed with events; the median of `iters` copies after a warm-up, in GB/s.
+pub fn peer_copy_gbps(dst: u32, src: u32, bytes: u64, iters: usize) -> Result<f64> {
+    let pair = peer_pair(dst, src, bytes)?;
+    let (start, end) = (
+        Event::new(pair.dst.device, false, true)?,
+        Event::new(pair.dst.device, false, true)?,
+    );
+    pair.copy()?;
+    pair.sync()?;
+    let mut ms = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        start.record(&pair.stream)?;
+        pair.copy()?;
+        end.record(&pair.stream)?;
+        end.synchronize()?;
+        ms.push(end.elapsed_ms(&start)? as f64);
+    }
+    ms.sort_by(f64::total_cmp);
+    let median = ms[ms.len() / 2];
+    Ok(bytes as f64 / (median / 1e3) / 1e9)
+}
+
+/// The ceiling of a latency row: one `bytes` cuMemcpyPeerAsync and a stream synchronize, from
+/// the host's point of view; the median of `iters`, in µs.
+pub fn peer_copy_latency_us(dst: u32, src: u32, bytes: u64, iters: usize) -> Result<f64> {
+    let pair = peer_pair(dst, src, bytes)?;
+    pair.copy()?;
+    pair.sync()?;
+    let mut lat: Vec<Duration> = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        pair.copy()?;
+        pair.sync()?;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    Ok(lat[lat.len() / 2].as_secs_f64() * 1e6)
+}
+
+/// Random copies of random lengths at random (mostly unaligned) offsets between two devices, in
+/// both directions and on both paths, each checked byte for byte against the same copies done on
+/// host mirrors. Runs the transport's own machinery, without IPC (one process).
+pub fn selftest(devices: (u32, u32), rounds: usize, seed: u64) -> Result<SelftestReport> {
+    const SIZE: usize = 16 << 20;
+    let (a, b) = (driver::device(devices.0)?, driver::device(devices.1)?);
+    enable_peer(a, b)?;
+    enable_peer(b, a)?;
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mem = [
+        DeviceMem::alloc(a, SIZE as u64)?,
+        DeviceMem::alloc(b, SIZE as u64)?,
+    ];
+    let mut host = [vec![0u8; SIZE], vec![0u8; SIZE]];
+    for (m, h) in mem.iter().zip(host.iter_mut()) {
+        rng.fill_bytes(h);
+        driver::copy_htod(m.device, m.ptr, h)?;
+    }
+    let lane = Lane::new(a, false)?;
+    let mut report = SelftestReport {
+        devices,
+        rounds,
+        copies: 0,
+        bytes: 0,
+        paths: vec!["sm".into(), "ce".into()],
+    };
+    for round in 0..rounds {
+        for path in [CudaPath::Sm, CudaPath::Ce] {
+            // 0 → 1 is a push from the lane's device, 1 → 0 a pull into it.
+            for (from, to) in [(0usize, 1usize), (1, 0)] {
+                let k = rng.random_range(1..=48usize);
+                let slot = SIZE / k;
+                let mut copies = Vec::with_capacity(k);
+                for j in 0..k {
+                    let max = if rng.random_bool(0.3) { 64 } else { slot / 2 };
+                    let len = rng.random_range(1..=max.min(slot / 2));
+                    let dst_off = j * slot + rng.random_range(0..slot - len);
+                    let src_off = rng.random_range(0..SIZE - len);
+                    copies.push(DeviceCopy {
+                        src: mem[from].ptr + src_off as u64,
+                        dst: mem[to].ptr + dst_off as u64,
+                        len: len as u64,
+                    });
+                    let (src, dst) = if from == 0 {
+                        let (x, y) = host.split_at_mut(1);
+                        (&x[0], &mut y[0])
+                    } else {
+                        let (x, y) = host.split_at_mut(1);
+                        (&y[0], &mut x[0])
+                    };
+                    dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
+                    report.bytes += len as u64;
+                }
+                report.copies += copies.len();
+                let (tx, rx) = mpsc::channel();
+                let hints = (mem[from].device.ordinal, mem[to].device.ordinal);
+                lane.submit(
+                    path,
+                    &copies,
+                    hints,
+                    Box::new(move |r| {
+                        let _ = tx.send(r);
+                    }),
+                    Vec::new(),
+                )?;
+                rx.recv().map_err(|_| Error::ShuttingDown)??;
+                for (i, (m, h)) in mem.iter().zip(host.iter()).enumerate() {
+                    let mut back = vec![0u8; SIZE];
+                    driver::copy_dtoh(m.device, &mut back, m.ptr)?;
+                    if let Some(at) = back.iter().zip(h.iter()).position(|(x, y)| x != y) {
+                        return Err(Error::Cuda {
+                            call: "gpu selftest",
+                            code: format!(
+                                "round {round}, path {path}, copy {from}→{to}: buffer {i} differs \
+                                 from its host mirror at byte {at}"
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(report)
+}

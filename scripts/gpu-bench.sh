@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# GPU correctness and benchmark job for the 2-GPU machine. Needs no Rust toolchain: give it a
+# prebuilt release binary (cargo build --release --bin kvfabric; the `cuda` feature is default).
+#
+#   NCCL_NVLS_ENABLE=0 bash scripts/gpu-bench.sh ./kvfabric [quick|sm]
+#
+# 1. correctness: `kvfabric gpu-selftest` (random sizes, unaligned offsets, both directions,
+#    sm and ce), the engine's GPU tests when their binary travels along (engine-cuda-tests), and
+#    every bench row verifies every destination byte after its timed phase;
+# 2. the sweep: 4 KiB … 1 MiB blocks, 512 MiB per batch, read and write, sm and ce, then both
+#    directions at once, then the single 4 KiB op latency (blocking and spinning completion);
+# 3. the peers of shared/tools/gpu_baselines.py in the same job (PyTorch, NCCL);
+# 4. a short table, last. JSON lines go to $OUT (kvfabric.jsonl, baselines.jsonl).
+set -uo pipefail
+bin="$(realpath "${1:?usage: gpu-bench.sh path/to/kvfabric [quick|sm]}")"
+mode="${2:-full}"
+here="$(cd "$(dirname "$0")" && pwd)"
+# NVLink multicast stays off: a program using it can take the host's shared GPUs down.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+log="$OUT/log.txt"
+rows="$OUT/kvfabric.jsonl"
+: >"$rows"
+failed=0
+
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv | tee "$OUT/gpus.txt"
+nvidia-smi topo -m 2>&1 | head -8 | tee -a "$OUT/gpus.txt"
+ngpu=$(nvidia-smi -L | wc -l)
+peer=1
+[[ "$ngpu" -ge 2 ]] || peer=0
+
+step() { echo "== $*" | tee -a "$log" >&2; }
+
+step "selftest"
+rounds=8
+[[ "$mode" == quick ]] && rounds=2
+if ! "$bin" gpu-selftest --devices "0,$peer" --rounds "$rounds" 2>>"$log" | tee "$OUT/selftest.json"; then
+  echo "SELFTEST FAILED" | tee -a "$log"
+  failed=1
+fi
+
+# The engine's GPU tests, when their prebuilt binary travels beside this script
+# (cargo test --release -p kvfabric-engine --features cuda --test cuda --no-run).
+if [[ -x "$here/engine-cuda-tests" ]]; then
+  step "engine GPU tests"
+  if ! "$here/engine-cuda-tests" --test-threads=1 --nocapture >>"$log" 2>&1; then
+    echo "ENGINE GPU TESTS FAILED" | tee -a "$log"
+    failed=1
+  fi
+  grep -E "^test result|skipped" "$log" | tail -3
+fi
+
+bench() {
+  step "bench $*"
+  if ! timeout 90 "$bin" bench --json --location cuda:0 --peer-location "cuda:$peer" \
+      --pool-bytes 12GiB --duration 2 "$@" >>"$rows" 2>>"$log"; then
+    echo "BENCH FAILED: $*" | tee -a "$log"
+    failed=1
+  fi
+}
+
+if [[ "$mode" == quick ]]; then
+  sizes=(65536)
+  paths=(sm)
+elif [[ "$mode" == sm ]]; then
+  sizes=(4096 16384 65536 262144 1048576)
+  paths=(sm)
+else
+  sizes=(4096 16384 65536 262144 1048576)
+  paths=(sm ce)
+fi
+total=$((512 << 20))
+for path in "${paths[@]}"; do
+  for bs in "${sizes[@]}"; do
+    bench --cuda-path "$path" --block-size "$bs" --blocks-per-batch $((total / bs)) \
+      --concurrency 24 --no-latency
+  done
+done
+for path in "${paths[@]}"; do
+  for bs in "${sizes[@]}"; do
+    bench --cuda-path "$path" --block-size "$bs" --blocks-per-batch $((total / bs)) \
+      --concurrency 24 --bidirectional --no-latency
+  done
+done
+bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read
+bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read --cuda-spin
+
+step "peers (gpu_baselines.py)"
+if [[ "$ngpu" -ge 2 ]]; then
+  args=(--skip-nccl)
+  [[ "$mode" == quick ]] && args=(--sizes 65536 --skip-nccl --iters 4)
+  timeout 150 python3 "$here/gpu_baselines.py" "${args[@]}" >"$OUT/baselines.jsonl" 2>>"$log" ||
+    echo "baselines failed (see log.txt)" | tee -a "$log"
+  # NCCL with one op per block takes minutes at 4 KiB (10^5 ops a batch); its 1 MiB point only.
+  if [[ "$mode" != quick ]]; then
+    timeout 120 python3 "$here/gpu_baselines.py" --sizes 1048576 --iters 4 2>>"$log" |
+      grep nccl >>"$OUT/baselines.jsonl" || echo "nccl baseline failed (see log.txt)" | tee -a "$log"
+  fi
+fi
+
+python3 - "$rows" "$OUT/baselines.jsonl" <<'PY' | tee "$OUT/table.txt"
+import json, sys
+def load(p):
+    try:
+        return [json.loads(l) for l in open(p) if l.strip().startswith("{")]
+    except FileNotFoundError:
+        return []
+rows, peers = load(sys.argv[1]), load(sys.argv[2])
+def size(n):
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+print(f"{'transport':<14}{'op':<6}{'block':>8}{'GB/s':>9}{'p50 us':>9}  {'ceiling':<29}{'ratio':>7}  verified")
+for r in rows:
+    ceil = f"{r['ceiling_p50_us']:.1f} us" if r.get("ceiling_p50_us") else f"{r['ceiling_gbps']:.1f} GB/s"
+    print(f"{r['transport']:<14}{r['op']:<6}{size(r['block_size']):>8}{r['gbps']:>9.1f}{r['p50_us']:>9.1f}  "
+          f"{r['ceiling_name'][:18] + ' ' + ceil:<29}{r['ratio'] * 100:>6.0f}%  {'yes' if r['verified'] else 'NO'}")
+if peers:
+    print("peers (same job):")
+    for p in peers:
+        print(f"  {p['baseline']:<16}{size(p['block_size']):>8}{p['gbps']:>9.1f} GB/s")
+PY
+[[ "$failed" == 0 ]] && echo "gpu-bench: all checks passed" || echo "gpu-bench: FAILURES (see $OUT/log.txt)"
+exit "$failed"
