@@ -23,4 +23,9 @@ scripts/fuzz.sh "${KVFABRIC_FUZZ_SECS:-60}"
 echo "== helm: lint, render, strict parse of every manifest"
 scripts/helm-check.sh
 echo "== tests"
-cargo test --workspace
+log=$(mktemp)
+cargo test --workspace 2>&1 | tee "$log"
+# One closing line for the whole workspace (cargo prints one result per test binary, the last
+# often a doc-test run with nothing in it).
+awk '/^test result:/ { p += $4; f += $6 } END { print "tests: " p " passed, " f " failed" }' "$log"
+rm -f "$log"
