@@ -400,6 +400,11 @@ impl Peer {
         self.link.stats()
     }
 
+    /// How many of the peer's regions are mapped into this process right now.
+    pub fn mapped_regions(&self) -> usize {
+        self.link.mapped()
+    }
+
     /// GPU memory goes over cuda-ipc (device on both sides, one local device per batch); tcp and
     /// shm reach host memory only, since staging through pinned buffers is not built yet.
     fn check_locations(

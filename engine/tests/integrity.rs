@@ -250,3 +250,44 @@ async fn blocking_runs_and_async_batches_share_a_connection() {
     }
     assert!(bytes(&local) == *rb);
 }
+
+/// A peer's region that disappears from its descriptor is unmapped here (its memory can go).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_drops_mappings_of_regions_the_peer_no_longer_publishes() {
+    let t = target(config("target")).await;
+    let me = Engine::new(config("initiator")).unwrap();
+    let local = random_region(&me, 1 << 20, 1);
+    let a = random_region(&t.engine, 1 << 20, 2);
+    let b = random_region(&t.engine, 1 << 20, 3);
+    let peer = me
+        .connect(
+            &t.engine.descriptor(),
+            Preference::Only(TransportKind::Shm),
+            None,
+        )
+        .await
+        .unwrap();
+    for r in [&a, &b] {
+        let op = BlockOp {
+            local_region: local.id(),
+            local_offset: 0,
+            remote_region: r.id(),
+            remote_offset: 0,
+            len: 4096,
+        };
+        peer.run(Batch::read(vec![op])).unwrap();
+    }
+    assert_eq!(peer.mapped_regions(), 2);
+    t.engine.deregister(a.id()).await.unwrap();
+    peer.set_descriptor(t.engine.descriptor());
+    assert_eq!(peer.mapped_regions(), 1);
+    // The region still published keeps working.
+    let op = BlockOp {
+        local_region: local.id(),
+        local_offset: 0,
+        remote_region: b.id(),
+        remote_offset: 4096,
+        len: 4096,
+    };
+    peer.run(Batch::read(vec![op])).unwrap();
+}

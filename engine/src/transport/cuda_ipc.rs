@@ -296,6 +296,10 @@ impl Transport for CudaIpcLink {
         }
     }
 
+    fn mapped(&self) -> usize {
+        self.imports.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
     /// Drops the mappings of regions the peer no longer publishes (or re-exported), so their
     /// memory can be freed on its side; in-flight copies keep theirs until they complete.
     fn regions_changed(&self, descriptor: &SegmentDescriptor) {

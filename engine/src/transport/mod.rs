@@ -84,6 +84,10 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug {
     fn stats(&self) -> TransportStats;
     /// The peer published a new descriptor (regions added or gone).
     fn regions_changed(&self, _descriptor: &SegmentDescriptor) {}
+    /// Peer regions currently mapped into this process (shm, cuda-ipc); 0 for copying transports.
+    fn mapped(&self) -> usize {
+        0
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize)]

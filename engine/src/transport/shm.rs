@@ -87,6 +87,24 @@ impl Transport for ShmLink {
             });
     }
 
+    /// Forgets the mappings of regions the peer no longer publishes (or published anew under
+    /// another key), so their memory can be freed; in-flight copies hold their own reference.
+    fn regions_changed(&self, descriptor: &SegmentDescriptor) {
+        self.inner
+            .maps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|id, r| descriptor.region(*id).is_some_and(|d| d.key == r.key()));
+    }
+
+    fn mapped(&self) -> usize {
+        self.inner
+            .maps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
+    }
+
     fn stats(&self) -> TransportStats {
         TransportStats {
             connections: 1,
