@@ -56,23 +56,33 @@ pub fn validate(ops: &[BlockOp], opcode: Opcode) -> Result<()> {
     if let Some(i) = ops.iter().position(|o| o.len == 0) {
         return Err(Error::ZeroLength { op: i });
     }
-    if disjoint_uniform_blocks(ops, opcode) {
+    check_disjoint(ops.len(), |i| {
+        let o = &ops[i];
+        match opcode {
+            Opcode::Read => (o.local_region, o.local_offset, o.len),
+            Opcode::Write => (o.remote_region, o.remote_offset, o.len),
+        }
+    })
+}
+
+/// Fails on the first two of `n` destination ranges `(region, offset, len)` that overlap. Shared
+/// by the initiator (its batch) and the target (each manifest it is sent).
+pub(crate) fn check_disjoint(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u64)) -> Result<()> {
+    if n == 0 || disjoint_uniform_blocks(n, &dest) {
         return Ok(());
     }
     // Sorting plain (region, offset, index) tuples, not indices through a key closure: a batch
     // of 4 KiB blocks has ~10^5 ops and this sort is most of what submitting it costs.
-    let mut order: Vec<(RegionId, u64, u32)> = ops
-        .iter()
-        .enumerate()
-        .map(|(i, o)| match opcode {
-            Opcode::Read => (o.local_region, o.local_offset, i as u32),
-            Opcode::Write => (o.remote_region, o.remote_offset, i as u32),
+    let mut order: Vec<(RegionId, u64, u32)> = (0..n)
+        .map(|i| {
+            let (region, offset, _) = dest(i);
+            (region, offset, i as u32)
         })
         .collect();
     order.sort_unstable();
     for w in order.windows(2) {
         let ((ra, oa, ia), (rb, ob, ib)) = (w[0], w[1]);
-        if ra == rb && oa.saturating_add(ops[ia as usize].len) > ob {
+        if ra == rb && oa.saturating_add(dest(ia as usize).2) > ob {
             let (ia, ib) = (ia as usize, ib as usize);
             return Err(Error::OverlappingDestination {
                 first: ia.min(ib),
@@ -85,21 +95,17 @@ pub fn validate(ops: &[BlockOp], opcode: Opcode) -> Result<()> {
     Ok(())
 }
 
-/// The common KV case in one pass: every op the same length and every destination offset a
-/// multiple of it, so two destinations overlap only by landing on the same block, which a bitmap
-/// per region catches. False means "not shown disjoint this way": the sort decides (and names the
-/// ops).
-fn disjoint_uniform_blocks(ops: &[BlockOp], opcode: Opcode) -> bool {
+/// The common KV case in one pass: every range the same length and every offset a multiple of
+/// it, so two destinations overlap only by landing on the same block, which a bitmap per region
+/// catches. False means "not shown disjoint this way": the sort decides (and names the ops).
+fn disjoint_uniform_blocks(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u64)) -> bool {
     /// Past this many blocks a bitmap costs more than it saves.
     const MAX_BLOCK: u64 = 1 << 27;
-    let len = ops[0].len;
+    let len = dest(0).2;
     let mut maps: Vec<(RegionId, Vec<u64>)> = Vec::new();
-    for o in ops {
-        let (region, offset) = match opcode {
-            Opcode::Read => (o.local_region, o.local_offset),
-            Opcode::Write => (o.remote_region, o.remote_offset),
-        };
-        if o.len != len || !offset.is_multiple_of(len) || offset / len >= MAX_BLOCK {
+    for i in 0..n {
+        let (region, offset, l) = dest(i);
+        if l != len || len == 0 || !offset.is_multiple_of(len) || offset / len >= MAX_BLOCK {
             return false;
         }
         let block = (offset / len) as usize;
@@ -219,16 +225,21 @@ mod tests {
         validate(&[op(0, 0, 8), op(0, 8, 8)], Opcode::Write).unwrap();
     }
 
+    /// The batch's read destinations, as `check_disjoint` sees them.
+    fn local_dests(ops: &[BlockOp]) -> impl Fn(usize) -> (RegionId, u64, u64) + '_ {
+        |i| (ops[i].local_region, ops[i].local_offset, ops[i].len)
+    }
+
     #[test]
     fn uniform_blocks_take_the_bitmap_path_and_duplicates_still_name_both_ops() {
         let ops: Vec<BlockOp> = (0..1000)
             .map(|i| op(i * 4096, (999 - i) * 4096, 4096))
             .collect();
-        assert!(disjoint_uniform_blocks(&ops, Opcode::Read));
+        assert!(disjoint_uniform_blocks(ops.len(), local_dests(&ops)));
         validate(&ops, Opcode::Read).unwrap();
         let mut dup = ops.clone();
         dup[700].local_offset = dup[3].local_offset;
-        assert!(!disjoint_uniform_blocks(&dup, Opcode::Read));
+        assert!(!disjoint_uniform_blocks(dup.len(), local_dests(&dup)));
         let err = validate(&dup, Opcode::Read).unwrap_err();
         assert!(
             matches!(
@@ -244,7 +255,7 @@ mod tests {
         // Unaligned or mixed lengths fall back to the sort.
         let mut odd = ops.clone();
         odd[5].local_offset += 1;
-        assert!(!disjoint_uniform_blocks(&odd, Opcode::Read));
+        assert!(!disjoint_uniform_blocks(odd.len(), local_dests(&odd)));
         validate(&odd, Opcode::Read).unwrap_err();
     }
 }

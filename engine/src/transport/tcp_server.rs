@@ -14,6 +14,7 @@ use crate::engine::Inner;
 use crate::error::{Error, Result, Side};
 use crate::frame::{FLAG_CRC, FrameError, FrameKind, Header, decode_crcs, decode_manifest};
 use crate::handshake::{self, closed_or_io, read_header, send_error};
+use crate::op::check_disjoint;
 use crate::region::{Lease, Location, RawRange};
 
 /// Largest refused payload we drain to keep a connection; past it we just close.
@@ -122,19 +123,10 @@ impl ServerConn {
             ranges.push(region.range(i, "remote_offset", e.offset, e.len)?);
         }
         if writes {
-            let mut order: Vec<usize> = (0..entries.len()).collect();
-            order.sort_unstable_by_key(|&i| (entries[i].region, entries[i].offset));
-            for w in order.windows(2) {
-                let (a, b) = (&entries[w[0]], &entries[w[1]]);
-                if a.region == b.region && a.offset + a.len > b.offset {
-                    return Err(Error::OverlappingDestination {
-                        first: w[0].min(w[1]),
-                        second: w[0].max(w[1]),
-                        region: b.region,
-                        offset: b.offset,
-                    });
-                }
-            }
+            check_disjoint(entries.len(), |i| {
+                let e = &entries[i];
+                (e.region, e.offset, e.len)
+            })?;
         }
         Ok(Checked {
             ranges,
