@@ -228,7 +228,7 @@ impl Initiator {
                 block_size: plan.block_size,
                 source_seed: remote_seed,
                 poison_seed: local_seed,
-                written: timed.read_written.clone(),
+                written: std::mem::take(&mut timed.read_written),
             };
             verdicts.push(("read", expectation.verify_region(&local)?));
         }
@@ -237,7 +237,7 @@ impl Initiator {
                 block_size: plan.block_size,
                 source_seed: local_seed,
                 poison_seed: remote_seed,
-                written: timed.write_written.clone(),
+                written: std::mem::take(&mut timed.write_written),
             };
             match self.control.call(&Request::Verify {
                 region: remote.id,
