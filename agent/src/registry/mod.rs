@@ -1,0 +1,116 @@
+//! Where agents and segments are found: etcd in production, memory when no etcd is given.
+//!
+//! Keys live under `<prefix>/<fabric>/agents/<agent>` and `<prefix>/<fabric>/segments/<segment>`
+//! with JSON values. Everything an agent writes is bound to its lease, so a dead agent's keys
+//! vanish with the lease. Lookups read a local cache kept current by a watch: the transfer path
+//! never waits on the registry.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use kvfabric_engine::{Location, RegionId};
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use crate::discovery::Devices;
+use crate::error::Result;
+
+pub mod etcd;
+pub mod memory;
+
+/// What an agent publishes about itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentEntry {
+    /// Unique in the fabric (default: the node name).
+    pub name: String,
+    /// Pool this agent serves (`prefill`, `decode`, ...).
+    pub pool: String,
+    /// Machine identity (kernel boot id): same node ⇔ same value.
+    pub node: String,
+    /// Peer gRPC API (handshake, descriptors) of this agent.
+    pub peer_addr: SocketAddr,
+    /// GPUs, RDMA devices, NUMA nodes and addresses found at start.
+    pub devices: Devices,
+    /// Unix seconds when this agent started (tells a restart from a re-registration).
+    pub started_at: u64,
+}
+
+/// One region of a published segment. Keys are never published: whoever may read a segment gets
+/// its key from the segment's owner, out of band.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentRegion {
+    pub id: RegionId,
+    pub len: u64,
+    pub location: Location,
+}
+
+/// What a worker publishes through its agent: named memory that others can pull from or push to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentEntry {
+    /// Unique in the fabric.
+    pub name: String,
+    /// The agent that serves the segment's memory.
+    pub agent: String,
+    pub regions: Vec<SegmentRegion>,
+}
+
+/// A change seen by the watch (own writes included).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    AgentPut(AgentEntry),
+    AgentDeleted(String),
+    SegmentPut(SegmentEntry),
+    SegmentDeleted(String),
+    /// The watch had to start over (compaction, reconnect): the cache was rebuilt from a full
+    /// read, and incremental events may have been skipped.
+    Resynced,
+}
+
+/// Health of the registry connection, for `kvfabric status` and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegistryState {
+    /// `memory` or `etcd`.
+    pub backend: String,
+    /// etcd endpoints (empty for memory).
+    pub endpoints: Vec<String>,
+    /// The registry answered the last request or keepalive.
+    pub connected: bool,
+    /// Current lease (0 for memory).
+    pub lease_id: i64,
+    pub lease_ttl_secs: u64,
+    /// Times the lease was lost and everything re-registered under a new one.
+    pub reregistrations: u64,
+    /// Times the watch was restarted from a full read.
+    pub resyncs: u64,
+    pub agents: usize,
+    pub segments: usize,
+    /// The last error talking to the registry, if any since the last success.
+    pub last_error: Option<String>,
+}
+
+/// Agents and segments of one fabric.
+#[async_trait]
+pub trait Registry: Send + Sync + fmt::Debug {
+    /// Publishes (or replaces) this agent's entry, bound to its lease and re-published whenever
+    /// the lease is lost and renewed.
+    async fn register_agent(&self, entry: AgentEntry) -> Result<()>;
+    /// Publishes (or replaces) a segment served by this agent, bound to the same lease.
+    async fn put_segment(&self, entry: SegmentEntry) -> Result<()>;
+    /// Unpublishes a segment this agent put. `UnknownSegment` if it did not.
+    async fn delete_segment(&self, name: &str) -> Result<()>;
+    /// Cached lookups: never wait on the network.
+    fn segment(&self, name: &str) -> Option<SegmentEntry>;
+    fn agent(&self, name: &str) -> Option<AgentEntry>;
+    fn segments(&self) -> BTreeMap<String, SegmentEntry>;
+    fn agents(&self) -> BTreeMap<String, AgentEntry>;
+    /// Changes from now on.
+    fn subscribe(&self) -> broadcast::Receiver<Event>;
+    fn state(&self) -> RegistryState;
+    /// Deletes every key this agent wrote and releases its lease. Idempotent.
+    async fn shutdown(&self) -> Result<()>;
+}
+
+pub type SharedRegistry = Arc<dyn Registry>;
