@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::op::{BlockOp, Opcode};
-use crate::region::Lease;
+use crate::region::{AccessKey, Lease};
 use crate::transport::TransportKind;
 
 #[derive(Debug, Clone)]
@@ -21,6 +21,10 @@ pub struct Batch {
     pub timeout: Option<Duration>,
     /// Send a crc32c of every op's payload and verify it on arrival.
     pub checksum: bool,
+    /// The key to present for every remote region instead of the one in the peer's descriptor:
+    /// an agent acting for a worker presents the key the worker was given, so the owner of the
+    /// memory (not the agent) decides who may touch it.
+    pub remote_key: Option<AccessKey>,
 }
 
 impl Batch {
@@ -30,6 +34,7 @@ impl Batch {
             ops,
             timeout: None,
             checksum: false,
+            remote_key: None,
         }
     }
     pub fn read(ops: Vec<BlockOp>) -> Self {
@@ -44,6 +49,10 @@ impl Batch {
     }
     pub fn with_checksum(mut self, on: bool) -> Self {
         self.checksum = on;
+        self
+    }
+    pub fn with_remote_key(mut self, key: AccessKey) -> Self {
+        self.remote_key = Some(key);
         self
     }
 }

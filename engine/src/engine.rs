@@ -13,7 +13,7 @@ use crate::cuda::CudaPath;
 use crate::error::{Error, Result, Side};
 use crate::frame::{Entry, Hello, PROTOCOL_VERSION};
 use crate::op;
-use crate::region::{Lease, Location, Region, RegionId};
+use crate::region::{AccessKey, Lease, Location, Region, RegionId};
 use crate::region_table::RegionTable;
 use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor, local_node_id};
 use crate::transport::select::{Preference, Selection, select};
@@ -198,6 +198,24 @@ impl Engine {
     ) -> Result<Arc<Region>> {
         // SAFETY: forwarded to our caller.
         unsafe { self.inner.regions.register_ptr(location, ptr, len) }
+    }
+
+    /// Adopts a memfd another process on this node shares (a worker's KV memory handed to its
+    /// agent), under the access key its readers will present. The memfd must allow sealing: it
+    /// is sealed against shrinking before it is mapped.
+    pub fn register_memfd(&self, fd: std::os::fd::OwnedFd, key: AccessKey) -> Result<Arc<Region>> {
+        self.inner.regions.register_memfd(fd, key)
+    }
+
+    /// Maps another process's GPU memory from its CUDA IPC export, under `key`.
+    pub fn import_cuda(
+        &self,
+        device: u32,
+        export: crate::cuda::CudaExport,
+        len: u64,
+        key: AccessKey,
+    ) -> Result<Arc<Region>> {
+        self.inner.regions.import_cuda(device, export, len, key)
     }
 
     /// Allocates `len` bytes of device memory on CUDA device `device` (zeroed, exported for CUDA
@@ -545,7 +563,7 @@ impl Peer {
                 local: local.range(c.first_index, "local_offset", o.local_offset, o.len)?,
                 remote: Entry {
                     region: remote.id,
-                    key: remote.key,
+                    key: batch.remote_key.unwrap_or(remote.key),
                     offset: o.remote_offset,
                     len: o.len,
                 },

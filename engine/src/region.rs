@@ -7,7 +7,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use rustix::fs::{MemfdFlags, memfd_create};
+use rustix::fs::{MemfdFlags, SealFlags, fcntl_add_seals, fcntl_get_seals, memfd_create};
 use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -141,12 +141,50 @@ impl Region {
                 reason: "a region needs at least one byte",
             });
         }
-        let fd = memfd_create("kvfabric-region", MemfdFlags::CLOEXEC)
-            .map_err(|e| Error::io("memfd_create", e.into()))?;
+        let fd = memfd_create(
+            "kvfabric-region",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )
+        .map_err(|e| Error::io("memfd_create", e.into()))?;
         // Exactly `len`: a peer that maps the fd sizes its bounds from the file, not from us.
         rustix::fs::ftruncate(&fd, len)
             .map_err(|e| Error::io(format!("ftruncate memfd to {len}"), e.into()))?;
+        // Sealed so no holder of the fd can shrink it under a peer's mapping (SIGBUS there).
+        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(|e| Error::io("seal memfd", e.into()))?;
         let ptr = map_shared(fd.as_fd(), len, MapFlags::empty())?;
+        Ok(Region::new(
+            id,
+            Location::Host { numa: None },
+            ptr,
+            len,
+            Backing::Memfd { fd },
+        ))
+    }
+
+    /// Adopts a memfd another process on this node created and shares (a worker registering its
+    /// KV memory with its agent). The file is sealed against shrinking first, so its owner cannot
+    /// pull pages out from under our mapping; a file that cannot be sealed is refused.
+    pub(crate) fn from_memfd(id: RegionId, fd: OwnedFd) -> Result<Region> {
+        let refuse = |reason: String| Error::NotShareable { region: id, reason };
+        let seals = fcntl_get_seals(&fd).map_err(|e| {
+            refuse(format!(
+                "not a sealable memfd ({e}); create it with MFD_ALLOW_SEALING"
+            ))
+        })?;
+        if !seals.contains(SealFlags::SHRINK) {
+            fcntl_add_seals(&fd, SealFlags::SHRINK).map_err(|e| {
+                refuse(format!(
+                    "cannot seal it against shrinking ({e}); create it with MFD_ALLOW_SEALING"
+                ))
+            })?;
+        }
+        let stat = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat memfd", e.into()))?;
+        let len = u64::try_from(stat.st_size).unwrap_or(0);
+        if len == 0 {
+            return Err(refuse("the file is empty".into()));
+        }
+        let ptr = map_shared(fd.as_fd(), len, MapFlags::POPULATE)?;
         Ok(Region::new(
             id,
             Location::Host { numa: None },
@@ -171,8 +209,15 @@ impl Region {
     }
 
     /// Maps a peer's memfd (shm transport). The mapping length comes from the fd itself, never
-    /// from what the peer claims, so bounds checks hold even against a lying peer.
+    /// from what the peer claims, so bounds checks hold even against a lying peer; and the file
+    /// must be sealed against shrinking, or the peer could fault our copies (SIGBUS).
     pub(crate) fn map_peer(id: RegionId, key: AccessKey, fd: OwnedFd) -> Result<Region> {
+        if !fcntl_get_seals(&fd).is_ok_and(|s| s.contains(SealFlags::SHRINK)) {
+            return Err(Error::NotShareable {
+                region: id,
+                reason: "peer sent a file that is not sealed against shrinking".into(),
+            });
+        }
         let stat = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat peer memfd", e.into()))?;
         let len = u64::try_from(stat.st_size).unwrap_or(0);
         if len == 0 {
@@ -219,6 +264,12 @@ impl Region {
                 _owner: owner,
             },
         ))
+    }
+
+    /// Replaces the random access key (a registrar that hands the key to its readers itself).
+    pub(crate) fn with_key(mut self, key: AccessKey) -> Self {
+        self.key = key;
+        self
     }
 
     fn new(id: RegionId, location: Location, ptr: NonNull<u8>, len: u64, backing: Backing) -> Self {

@@ -63,6 +63,25 @@ impl RegionTable {
         Ok(())
     }
 
+    /// Adopts a memfd shared by another process, under `key`.
+    pub fn register_memfd(&self, fd: std::os::fd::OwnedFd, key: AccessKey) -> Result<Arc<Region>> {
+        Ok(self.insert(Region::from_memfd(self.next_id(), fd)?.with_key(key)))
+    }
+
+    /// Maps another process's GPU allocation (its CUDA IPC export) as a region of `len` bytes,
+    /// under `key`.
+    pub fn import_cuda(
+        &self,
+        device: u32,
+        export: crate::cuda::CudaExport,
+        len: u64,
+        key: AccessKey,
+    ) -> Result<Arc<Region>> {
+        Self::nonzero(len)?;
+        let region = crate::cuda::import_region(self.next_id(), device, export, len)?;
+        Ok(self.insert(region.with_key(key)))
+    }
+
     /// Allocates device memory on `device` (cuMemAlloc, zeroed, exported for CUDA IPC).
     pub fn alloc_cuda(&self, device: u32, len: u64) -> Result<Arc<Region>> {
         Self::nonzero(len)?;

@@ -128,6 +128,14 @@ mod stub {
     pub(crate) fn alloc_region(_id: crate::RegionId, _device: u32, _len: u64) -> Result<Region> {
         off()
     }
+    pub(crate) fn import_region(
+        _id: crate::RegionId,
+        _device: u32,
+        _export: super::CudaExport,
+        _len: u64,
+    ) -> Result<Region> {
+        off()
+    }
     pub(crate) fn register_region(
         _id: crate::RegionId,
         _device: u32,

@@ -76,6 +76,32 @@ pub(crate) fn register_region(id: RegionId, device: u32, ptr: u64, len: u64) -> 
     Region::cuda(id, device, ptr, len, export, None)
 }
 
+/// Maps another process's allocation (CUDA IPC) and wraps `export.offset..+len` of it. The
+/// mapping's real size bounds the region, whatever the exporter claims.
+pub(crate) fn import_region(
+    id: RegionId,
+    device: u32,
+    export: CudaExport,
+    len: u64,
+) -> Result<Region> {
+    let dev = driver::device(device)?;
+    let imported = driver::Imported::open(dev, &export.handle)?;
+    if export
+        .offset
+        .checked_add(len)
+        .is_none_or(|end| end > imported.len)
+    {
+        return Err(Error::InvalidConfig {
+            field: "len",
+            value: format!("{}+{len}", export.offset),
+            reason: "extends past the end of the exported allocation",
+        });
+    }
+    let ptr = imported.base + export.offset;
+    let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(imported);
+    Region::cuda(id, device, ptr, len, Some(export), Some(owner))
+}
+
 fn region_device(region: &Region) -> Result<(&'static Device, u64)> {
     match (region.location(), region.device_ptr()) {
         (Location::Cuda { device }, Some(ptr)) => Ok((driver::device(device)?, ptr)),
