@@ -13,6 +13,7 @@ use crate::segment::SegmentDescriptor;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda_ipc;
+pub mod fdpass;
 pub(crate) mod io;
 pub(crate) mod listener;
 pub mod select;

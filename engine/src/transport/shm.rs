@@ -2,8 +2,7 @@
 //! socket, then cached) and copies directly, on a small thread pool for large batches.
 
 use std::collections::HashMap;
-use std::io::{IoSliceMut, Read};
-use std::mem::MaybeUninit;
+
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -11,8 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
-use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
 
+use super::fdpass::recv_fd;
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::error::{Error, Result};
@@ -203,28 +202,14 @@ impl ShmInner {
         std::io::Write::write_all(sock, &req).map_err(io)?;
 
         let mut head = [0u8; HEADER_LEN];
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-        let mut cmsg = RecvAncillaryBuffer::new(&mut space);
-        let got = recvmsg(
-            &*sock,
-            &mut [IoSliceMut::new(&mut head)],
-            &mut cmsg,
-            RecvFlags::CMSG_CLOEXEC,
-        )
-        .map_err(|e| io(e.into()))?
-        .bytes;
-        if got == 0 {
-            return Err(Error::PeerClosed {
-                peer: self.peer.clone(),
-            });
-        }
-        let mut fd = None;
-        for msg in cmsg.drain() {
-            if let RecvAncillaryMessage::ScmRights(fds) = msg {
-                fd = fds.into_iter().next().or(fd);
+        let fd = match recv_fd(sock, &mut head) {
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Err(Error::PeerClosed {
+                    peer: self.peer.clone(),
+                });
             }
-        }
-        sock.read_exact(&mut head[got..]).map_err(io)?;
+            other => other.map_err(io)?,
+        };
         let h = Header::decode(&head)?;
         if h.kind != FrameKind::MapReply || h.tag != id.0 {
             return Err(FrameError::Unexpected {

@@ -1,15 +1,14 @@
 //! Shared memory, target side: after the handshake, answers `MapRegion` requests with the
 //! region's memfd, passed over the Unix socket (SCM_RIGHTS). The key is checked first.
 
-use std::io::{IoSlice, Read};
-use std::mem::MaybeUninit;
-use std::os::fd::BorrowedFd;
+use std::io::Read;
+
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
 use tracing::info;
 
+use super::fdpass::send_fd;
 use super::io::hang_up;
 use crate::engine::Inner;
 use crate::error::{Error, Result, Side};
@@ -79,17 +78,4 @@ fn serve_one(inner: &Inner, s: &mut UnixStream, peer: &str) -> Result<()> {
         fd,
     )
     .map_err(|e| closed_or_io(e, peer))
-}
-
-fn send_fd(s: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<()> {
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let mut cmsg = SendAncillaryBuffer::new(&mut space);
-    let fds = [fd];
-    cmsg.push(SendAncillaryMessage::ScmRights(&fds));
-    let n = sendmsg(s, &[IoSlice::new(bytes)], &mut cmsg, SendFlags::NOSIGNAL)?;
-    if n < bytes.len() {
-        // The descriptor went with the first byte; the rest is plain data.
-        std::io::Write::write_all(&mut &*s, &bytes[n..])?;
-    }
-    Ok(())
 }
