@@ -1,9 +1,10 @@
 //! The `kvfabric` command line: one typed config per subcommand, flags with env fallbacks.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use kvfabric_engine::Location;
+use kvfabric_engine::{Location, TransportKind};
 
 use crate::bytesize;
 
@@ -28,6 +29,11 @@ pub struct Cli {
 pub enum Command {
     /// Measure transfers against the ceiling of the same path (default: two local processes).
     Bench(BenchArgs),
+    /// Run the node agent: registry entry, local API for workers, peer API for other agents,
+    /// and the data plane, until SIGTERM/SIGINT.
+    Agent(AgentArgs),
+    /// Agents, segments and open connections, from the local agent and its registry.
+    Status(StatusArgs),
     /// Check the GPU copy paths: random sizes at unaligned offsets, both directions, sm and ce,
     /// every byte compared with the same copies done on the host.
     GpuSelftest(SelftestArgs),
@@ -55,6 +61,14 @@ fn parse_pair(s: &str) -> Result<(u32, u32), String> {
             .map_err(|_| format!("{x:?} is not a device number"))
     };
     Ok((n(a)?, n(b)?))
+}
+
+/// The inverse of [`parse_location`].
+pub fn location_name(location: Location) -> String {
+    match location {
+        Location::Host { .. } => "host".into(),
+        Location::Cuda { device } => format!("cuda:{device}"),
+    }
 }
 
 /// `host` or `cuda:N`.
@@ -191,4 +205,115 @@ pub struct LayoutArgs {
     /// Prompt length whose blocks make one batch.
     #[arg(long, default_value_t = 512)]
     pub request_tokens: u64,
+}
+
+/// `tcp`, `shm`, `cuda-ipc` or `rdma`.
+pub fn parse_transport(s: &str) -> Result<TransportKind, String> {
+    match s.trim() {
+        "tcp" => Ok(TransportKind::Tcp),
+        "shm" => Ok(TransportKind::Shm),
+        "cuda-ipc" => Ok(TransportKind::CudaIpc),
+        "rdma" => Ok(TransportKind::Rdma),
+        other => Err(format!(
+            "{other:?} is not a transport (tcp, shm, cuda-ipc, rdma)"
+        )),
+    }
+}
+
+/// `kvfabric agent`. Every flag reads the environment variable the operator's DaemonSet and
+/// ConfigMap set (see docs/operator.md).
+#[derive(Debug, Clone, Args)]
+pub struct AgentArgs {
+    /// The TransferFabric this agent belongs to.
+    #[arg(long, env = "KVFABRIC_FABRIC", default_value = "default")]
+    pub fabric: String,
+
+    /// Pool this agent serves.
+    #[arg(long, env = "KVFABRIC_POOL", default_value = "default")]
+    pub pool: String,
+
+    /// Agent name, unique in the fabric (default: $NODE_NAME, else the host name).
+    #[arg(long, env = "KVFABRIC_AGENT_NAME")]
+    pub name: Option<String>,
+
+    /// etcd endpoints (comma-separated). None: an in-memory registry (this agent alone).
+    #[arg(long, env = "KVFABRIC_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+
+    #[arg(long, env = "KVFABRIC_ETCD_KEY_PREFIX", default_value = "/kvfabric")]
+    pub etcd_key_prefix: String,
+
+    #[arg(long, env = "KVFABRIC_ETCD_USERNAME")]
+    pub etcd_username: Option<String>,
+
+    #[arg(long, env = "KVFABRIC_ETCD_PASSWORD", hide_env_values = true)]
+    pub etcd_password: Option<String>,
+
+    /// Directory with ca.crt (and tls.crt + tls.key for a client certificate).
+    #[arg(long, env = "KVFABRIC_ETCD_TLS_DIR")]
+    pub etcd_tls_dir: Option<PathBuf>,
+
+    /// Registry lease TTL: a dead agent's entries vanish this long after its last keepalive.
+    #[arg(long, env = "KVFABRIC_LEASE_TTL_SECS", default_value_t = 10)]
+    pub lease_ttl_secs: u64,
+
+    /// Directory of the local API socket (agent.sock), its fd socket (agent.fd.sock) and the
+    /// shm data socket (shm.sock); workers mount it.
+    #[arg(long, env = "KVFABRIC_SOCKET_DIR", default_value = "/var/run/kvfabric")]
+    pub socket_dir: PathBuf,
+
+    /// Peer API (gRPC) listen address.
+    #[arg(long, env = "KVFABRIC_GRPC_ADDR", default_value = "0.0.0.0:50051")]
+    pub grpc_addr: SocketAddr,
+
+    /// tcp data plane listen address.
+    #[arg(long, env = "KVFABRIC_DATA_ADDR", default_value = "0.0.0.0:50052")]
+    pub data_addr: SocketAddr,
+
+    /// Address other agents reach this one at (default: $POD_IP, else the listen address, else
+    /// the first non-loopback address).
+    #[arg(long, env = "KVFABRIC_ADVERTISE_ADDR")]
+    pub advertise_addr: Option<IpAddr>,
+
+    /// Transports this agent may use, in order of preference.
+    #[arg(
+        long,
+        env = "KVFABRIC_TRANSPORTS",
+        value_delimiter = ',',
+        value_parser = parse_transport,
+        default_value = "cuda-ipc,shm,rdma,tcp"
+    )]
+    pub transports: Vec<TransportKind>,
+
+    /// TCP data connections per peer agent.
+    #[arg(long, env = "KVFABRIC_TCP_CONNECTIONS", default_value_t = 4)]
+    pub tcp_connections: usize,
+
+    /// Default time one batch may take.
+    #[arg(long, env = "KVFABRIC_BATCH_TIMEOUT_MS", default_value_t = 30_000)]
+    pub batch_timeout_ms: u64,
+
+    /// Most block ops in one submitted batch.
+    #[arg(long, env = "KVFABRIC_MAX_BATCH_OPS", default_value_t = 65_536)]
+    pub max_batch_ops: usize,
+
+    /// How long dialling another agent may take.
+    #[arg(long, env = "KVFABRIC_CONNECT_TIMEOUT_MS", default_value_t = 3_000)]
+    pub connect_timeout_ms: u64,
+
+    /// After SIGTERM, how long in-flight transfers may take to finish.
+    #[arg(long, env = "KVFABRIC_GRACE_SECS", default_value_t = 10)]
+    pub grace_secs: u64,
+}
+
+/// `kvfabric status`.
+#[derive(Debug, Clone, Args)]
+pub struct StatusArgs {
+    /// The local agent's socket directory.
+    #[arg(long, env = "KVFABRIC_SOCKET_DIR", default_value = "/var/run/kvfabric")]
+    pub socket_dir: PathBuf,
+
+    /// The status document as JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
 }

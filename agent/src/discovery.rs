@@ -53,3 +53,8 @@ pub struct Address {
     pub interface: String,
     pub ip: std::net::IpAddr,
 }
+
+// TEMPORARY (replaced by the rdma branch).
+pub fn discover() -> Devices {
+    Devices::default()
+}

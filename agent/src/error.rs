@@ -24,6 +24,76 @@ pub enum Error {
         first: String,
     },
 
+    /// `delete_segment` of a segment this agent did not put.
+    #[error("unknown segment {name:?}: this agent did not put it")]
+    UnknownSegment { name: String },
+
+    /// etcd did not answer (down, partitioned, timed out). For writes, the entry is still
+    /// remembered and gets published when the lease is re-established.
+    #[error("etcd at {endpoints} unavailable for {op}: {reason}")]
+    RegistryUnavailable {
+        op: String,
+        endpoints: String,
+        reason: String,
+    },
+
+    /// etcd answered with an error (permission denied, bad request, ...).
+    #[error("etcd at {endpoints} refused {op}: {reason}")]
+    Registry {
+        op: String,
+        endpoints: String,
+        reason: String,
+    },
+
+    /// etcd rejected the username or password.
+    #[error("etcd at {endpoints} rejected user {user:?}: {reason}")]
+    RegistryAuth {
+        user: String,
+        endpoints: String,
+        reason: String,
+    },
+
+    /// The `etcd` binary the test kit runs was not found.
+    #[error("etcd not found: apt-get install etcd-server (looked for {looked})")]
+    EtcdNotFound { looked: String },
+
+    /// The test kit's etcd did not come up.
+    #[error("etcd at {endpoint} did not start: {reason} (log: {log})")]
+    EtcdStart {
+        endpoint: String,
+        reason: String,
+        log: String,
+    },
+
+    #[error("unknown segment {name:?}")]
+    NoSuchSegment { name: String },
+
+    #[error("segment {name:?} already exists (served by agent {agent:?})")]
+    SegmentExists { name: String, agent: String },
+
+    #[error("wrong key for segment {name:?}")]
+    WrongKey { name: String },
+
+    #[error("invalid {field}: {value} ({reason})")]
+    InvalidRequest {
+        field: String,
+        value: String,
+        reason: String,
+    },
+
+    #[error("agent {agent:?} (serving segment {segment:?}) is not in the registry")]
+    UnknownAgent { agent: String, segment: String },
+
+    #[error("peer agent {agent:?} at {addr}: {reason}")]
+    PeerAgent {
+        agent: String,
+        addr: String,
+        reason: String,
+    },
+
+    #[error("local agent at {path}: {reason}")]
+    LocalAgent { path: String, reason: String },
+
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -43,6 +113,18 @@ impl Error {
     pub fn config(field: &'static str, value: impl ToString, reason: impl Into<String>) -> Self {
         Error::Config {
             field,
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn invalid(
+        field: impl Into<String>,
+        value: impl ToString,
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::InvalidRequest {
+            field: field.into(),
             value: value.to_string(),
             reason: reason.into(),
         }

@@ -3,7 +3,18 @@
 pub mod bench;
 pub mod bytesize;
 pub mod cli;
+pub mod client;
+pub mod discovery;
 mod error;
+pub mod fd_socket;
+pub mod local_api;
+pub mod node;
+pub mod peer_api;
+pub mod peer_link;
+pub mod registry;
+pub mod rpc;
+pub mod server;
 pub mod shutdown;
+pub mod status;
 
 pub use error::{Error, Result};

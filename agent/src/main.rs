@@ -38,6 +38,10 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Bench(args) => kvfabric_agent::bench::run(args).await,
+            Command::Agent(args) => {
+                kvfabric_agent::server::run(args, kvfabric_agent::shutdown::signal()).await
+            }
+            Command::Status(args) => kvfabric_agent::status::show(args).await,
             Command::GpuSelftest(args) => {
                 tokio::task::spawn_blocking(move || kvfabric_agent::bench::selftest(args))
                     .await

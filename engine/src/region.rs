@@ -162,6 +162,12 @@ impl Region {
         ))
     }
 
+    /// Sealed shared memory registered with no engine: what a worker allocates before handing
+    /// the memfd to its agent.
+    pub fn shared_memory(len: u64) -> Result<Region> {
+        Region::alloc(RegionId(0), len)
+    }
+
     /// Adopts a memfd another process on this node created and shares (a worker registering its
     /// KV memory with its agent). The file is sealed against shrinking first, so its owner cannot
     /// pull pages out from under our mapping; a file that cannot be sealed is refused.
@@ -314,7 +320,8 @@ impl Region {
             _ => None,
         }
     }
-    pub(crate) fn memfd(&self) -> Option<BorrowedFd<'_>> {
+    /// The memfd behind a shareable region (to hand to another process on the node).
+    pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
         match &self.backing {
             Backing::Memfd { fd } => Some(fd.as_fd()),
             _ => None,

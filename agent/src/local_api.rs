@@ -1,0 +1,236 @@
+//! The local API workers on this node call over the agent's Unix socket.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use kvfabric_engine::{BlockOp, Opcode, RegionId};
+use tokio::sync::broadcast::error::RecvError;
+use tonic::{Request, Response, Status};
+
+use crate::error::Error;
+use crate::node::{Node, RegionSource, Transfer};
+use crate::registry::{Event, SegmentEntry};
+use crate::rpc::pb::local_agent_server::LocalAgent;
+use crate::rpc::pb::{
+    self, DeregisterSegmentRequest, DeregisterSegmentResponse, RegionInfo, RegisterSegmentRequest,
+    RegisterSegmentResponse, SegmentEvent, StatusRequest, StatusResponse, SubmitRequest,
+    SubmitResponse, WatchSegmentsRequest, region_spec, segment_event,
+};
+use crate::status;
+
+#[derive(Debug, Clone)]
+pub struct LocalApi {
+    pub node: Arc<Node>,
+}
+
+fn regions_of(entry: &SegmentEntry) -> Vec<RegionInfo> {
+    entry
+        .regions
+        .iter()
+        .enumerate()
+        .map(|(i, r)| RegionInfo {
+            index: i as u32,
+            len: r.len,
+            location: crate::cli::location_name(r.location),
+        })
+        .collect()
+}
+
+fn event(kind: segment_event::Kind, entry: &SegmentEntry) -> SegmentEvent {
+    SegmentEvent {
+        kind: kind as i32,
+        name: entry.name.clone(),
+        agent: entry.agent.clone(),
+        regions: regions_of(entry),
+    }
+}
+
+pub fn decode_transfer(req: SubmitRequest) -> Result<Transfer, Error> {
+    let opcode = match pb::Opcode::try_from(req.opcode) {
+        Ok(pb::Opcode::Read) => Opcode::Read,
+        Ok(pb::Opcode::Write) => Opcode::Write,
+        _ => {
+            return Err(Error::invalid(
+                "opcode",
+                req.opcode,
+                "must be OPCODE_READ or OPCODE_WRITE",
+            ));
+        }
+    };
+    Ok(Transfer {
+        local_segment: req.local_segment,
+        local_key: req.local_key,
+        remote_segment: req.remote_segment,
+        remote_key: req.remote_key,
+        opcode,
+        ops: req
+            .ops
+            .iter()
+            .map(|o| BlockOp {
+                local_region: RegionId(o.local_region.into()),
+                local_offset: o.local_offset,
+                remote_region: RegionId(o.remote_region.into()),
+                remote_offset: o.remote_offset,
+                len: o.len,
+            })
+            .collect(),
+        timeout: (req.timeout_ms > 0).then(|| Duration::from_millis(req.timeout_ms)),
+        checksum: req.checksum,
+    })
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<SegmentEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl LocalAgent for LocalApi {
+    async fn register_segment(
+        &self,
+        request: Request<RegisterSegmentRequest>,
+    ) -> Result<Response<RegisterSegmentResponse>, Status> {
+        let req = request.into_inner();
+        let mut sources = Vec::with_capacity(req.regions.len());
+        for (i, spec) in req.regions.into_iter().enumerate() {
+            sources.push(match spec.memory {
+                Some(region_spec::Memory::Host(h)) => RegionSource::Host {
+                    fd_token: h.fd_token,
+                },
+                Some(region_spec::Memory::Cuda(c)) => RegionSource::Cuda {
+                    device: c.device,
+                    ipc_handle: c.ipc_handle,
+                    offset: c.offset,
+                    len: c.len,
+                },
+                None => {
+                    return Err(Error::invalid(
+                        format!("regions[{i}]"),
+                        "empty",
+                        "set host or cuda",
+                    )
+                    .into());
+                }
+            });
+        }
+        let segment = self.node.register(&req.name, sources, req.key).await?;
+        Ok(Response::new(RegisterSegmentResponse {
+            name: segment.name.clone(),
+            key: segment.key.0,
+            regions: segment
+                .regions
+                .iter()
+                .enumerate()
+                .map(|(i, r)| RegionInfo {
+                    index: i as u32,
+                    len: r.len(),
+                    location: crate::cli::location_name(r.location()),
+                })
+                .collect(),
+        }))
+    }
+
+    async fn deregister_segment(
+        &self,
+        request: Request<DeregisterSegmentRequest>,
+    ) -> Result<Response<DeregisterSegmentResponse>, Status> {
+        let req = request.into_inner();
+        self.node.deregister(&req.name, req.key).await?;
+        Ok(Response::new(DeregisterSegmentResponse {}))
+    }
+
+    async fn submit(
+        &self,
+        request: Request<SubmitRequest>,
+    ) -> Result<Response<SubmitResponse>, Status> {
+        let transfer = decode_transfer(request.into_inner())?;
+        let done = self.node.transfer(transfer).await?;
+        Ok(Response::new(SubmitResponse {
+            bytes: done.bytes,
+            ops: done.ops as u32,
+            coalesced_ops: done.coalesced_ops as u32,
+            transport: done.transport.to_string(),
+            transport_reason: done.transport_reason,
+            elapsed_us: done.elapsed.as_micros() as u64,
+            remote_agent: done.remote_agent,
+        }))
+    }
+
+    type WatchSegmentsStream = EventStream;
+
+    async fn watch_segments(
+        &self,
+        _request: Request<WatchSegmentsRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        // Subscribe before the snapshot, so nothing falls between the two.
+        let mut rx = self.node.registry.subscribe();
+        let snapshot: Vec<SegmentEvent> = self
+            .node
+            .registry
+            .segments()
+            .values()
+            .map(|s| event(segment_event::Kind::Put, s))
+            .collect();
+        let registry = self.node.registry.clone();
+        let stream = async_stream(snapshot, move |tx| async move {
+            loop {
+                let ev = match rx.recv().await {
+                    Ok(Event::SegmentPut(s)) => event(segment_event::Kind::Put, &s),
+                    Ok(Event::SegmentDeleted(name)) => SegmentEvent {
+                        kind: segment_event::Kind::Deleted as i32,
+                        name,
+                        ..SegmentEvent::default()
+                    },
+                    Ok(Event::Resynced) | Err(RecvError::Lagged(_)) => {
+                        // Changes were missed: send the whole current set again.
+                        for s in registry.segments().values() {
+                            if tx
+                                .send(Ok(event(segment_event::Kind::Put, s)))
+                                .await
+                                .is_err()
+                            {
+                                return;
+                            }
+                        }
+                        continue;
+                    }
+                    Ok(_) => continue,
+                    Err(RecvError::Closed) => return,
+                };
+                if tx.send(Ok(ev)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(stream))
+    }
+
+    async fn status(
+        &self,
+        _request: Request<StatusRequest>,
+    ) -> Result<Response<StatusResponse>, Status> {
+        let doc = status::collect(&self.node).await;
+        let json = serde_json::to_string(&doc)
+            .map_err(|e| Status::internal(format!("status document: {e}")))?;
+        Ok(Response::new(StatusResponse { json }))
+    }
+}
+
+/// A stream fed by a task: `first` items, then whatever `feed` sends; ends when the client goes.
+fn async_stream<F, Fut>(first: Vec<SegmentEvent>, feed: F) -> EventStream
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Result<SegmentEvent, Status>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(256);
+    let task = feed(tx.clone());
+    tokio::spawn(async move {
+        for ev in first {
+            if tx.send(Ok(ev)).await.is_err() {
+                return;
+            }
+        }
+        drop(tx);
+        task.await;
+    });
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}

@@ -1,0 +1,629 @@
+//! The agent's state: its engine, the segments its workers registered, and its data connections
+//! to other agents (opened through their peer API, cached, re-opened after a failure).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use kvfabric_engine::{
+    AccessKey, Batch, BlockOp, CudaExport, Engine, IpcHandle, Location, Opcode, Peer, Preference,
+    Region, SegmentDescriptor, TransportKind,
+};
+use serde::Serialize;
+use tracing::{info, warn};
+
+use crate::error::{Error, Result};
+use crate::peer_link;
+use crate::registry::{AgentEntry, SegmentEntry, SegmentRegion, SharedRegistry};
+
+/// Most regions one segment may hold.
+pub const MAX_REGIONS: usize = 4096;
+/// Host memory handed over on the fd socket but never registered is closed after this long.
+pub const FD_TOKEN_TTL: Duration = Duration::from_secs(60);
+/// Most memfds waiting for their RegisterSegment at once.
+pub const MAX_PENDING_FDS: usize = 4096;
+
+/// What the agent was configured with.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub name: String,
+    pub fabric: String,
+    pub pool: String,
+    /// Transports this agent may use, in order of preference.
+    pub transports: Vec<TransportKind>,
+    /// The address peers reach this agent's data plane and peer API at.
+    pub advertise: IpAddr,
+    pub batch_timeout: Duration,
+    pub max_batch_ops: usize,
+    /// How long dialling a peer agent may take.
+    pub connect_timeout: Duration,
+}
+
+/// Memory a worker registered: its regions in this agent's engine, under the worker's key.
+#[derive(Debug)]
+pub struct LocalSegment {
+    pub name: String,
+    pub key: AccessKey,
+    pub regions: Vec<Arc<Region>>,
+}
+
+/// One data connection to another agent's engine, over one transport.
+#[derive(Debug)]
+pub struct Link {
+    pub agent: String,
+    pub peer: Peer,
+    pub reason: String,
+    pub batches: AtomicU64,
+    pub errors: AtomicU64,
+    pub opened: Instant,
+}
+
+/// A registration request, decoded from whichever API carried it.
+#[derive(Debug)]
+pub enum RegionSource {
+    Host {
+        fd_token: u64,
+    },
+    Cuda {
+        device: u32,
+        ipc_handle: Vec<u8>,
+        offset: u64,
+        len: u64,
+    },
+}
+
+/// A transfer request, decoded.
+#[derive(Debug, Clone)]
+pub struct Transfer {
+    pub local_segment: String,
+    pub local_key: u64,
+    pub remote_segment: String,
+    pub remote_key: u64,
+    pub opcode: Opcode,
+    /// Region fields are indexes into the segments' region lists.
+    pub ops: Vec<BlockOp>,
+    pub timeout: Option<Duration>,
+    pub checksum: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TransferResult {
+    pub bytes: u64,
+    pub ops: usize,
+    pub coalesced_ops: usize,
+    pub transport: TransportKind,
+    pub transport_reason: String,
+    pub elapsed: Duration,
+    pub remote_agent: String,
+}
+
+#[derive(Debug)]
+pub struct Node {
+    pub config: NodeConfig,
+    pub engine: Engine,
+    pub registry: SharedRegistry,
+    /// Where this agent's peer API listens (what its registry entry advertises).
+    pub peer_addr: SocketAddr,
+    segments: RwLock<HashMap<String, Arc<LocalSegment>>>,
+    fds: Mutex<HashMap<u64, (OwnedFd, Instant)>>,
+    links: tokio::sync::Mutex<HashMap<(String, TransportKind), Arc<Link>>>,
+    /// Bytes moved through links that have since been closed, so totals never go backwards.
+    closed_bytes: AtomicU64,
+}
+
+impl Node {
+    pub fn new(
+        config: NodeConfig,
+        engine: Engine,
+        registry: SharedRegistry,
+        peer_addr: SocketAddr,
+    ) -> Arc<Node> {
+        Arc::new(Node {
+            config,
+            engine,
+            registry,
+            peer_addr,
+            segments: RwLock::default(),
+            fds: Mutex::default(),
+            links: tokio::sync::Mutex::default(),
+            closed_bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// The engine descriptor peers get from the handshake: data endpoints rewritten to the
+    /// advertised address (the listener may be bound to 0.0.0.0).
+    pub fn descriptor(&self) -> SegmentDescriptor {
+        let mut d = self.engine.descriptor();
+        if let Some(tcp) = d.endpoints.tcp.as_mut()
+            && tcp.ip().is_unspecified()
+        {
+            tcp.set_ip(self.config.advertise);
+        }
+        d
+    }
+
+    /// Keeps a memfd a worker sent on the fd socket until its RegisterSegment names the token.
+    pub fn stash_fd(&self, fd: OwnedFd) -> Result<u64> {
+        let mut fds = self.fds.lock().unwrap_or_else(|e| e.into_inner());
+        fds.retain(|_, (_, at)| at.elapsed() < FD_TOKEN_TTL);
+        if fds.len() >= MAX_PENDING_FDS {
+            return Err(Error::invalid(
+                "fd socket",
+                fds.len(),
+                "too many memfds waiting for RegisterSegment",
+            ));
+        }
+        let token = loop {
+            let t: u64 = rand::random();
+            if t != 0 && !fds.contains_key(&t) {
+                break t;
+            }
+        };
+        fds.insert(token, (fd, Instant::now()));
+        Ok(token)
+    }
+
+    fn take_fd(&self, token: u64) -> Result<OwnedFd> {
+        self.fds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&token)
+            .filter(|(_, at)| at.elapsed() < FD_TOKEN_TTL)
+            .map(|(fd, _)| fd)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "host.fd_token",
+                    format!("{token:#x}"),
+                    "unknown or expired: send the memfd on the fd socket first",
+                )
+            })
+    }
+
+    pub fn local_segment(&self, name: &str, key: u64) -> Result<Arc<LocalSegment>> {
+        let seg = self
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NoSuchSegment { name: name.into() })?;
+        if seg.key != AccessKey(key) {
+            return Err(Error::WrongKey { name: name.into() });
+        }
+        Ok(seg)
+    }
+
+    pub fn local_segments(&self) -> Vec<Arc<LocalSegment>> {
+        let mut v: Vec<_> = self
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// Maps the worker's memory, publishes the segment, and returns it with its key.
+    pub async fn register(
+        &self,
+        name: &str,
+        sources: Vec<RegionSource>,
+        key: u64,
+    ) -> Result<Arc<LocalSegment>> {
+        check_segment_name(name)?;
+        if sources.is_empty() || sources.len() > MAX_REGIONS {
+            return Err(Error::invalid(
+                "regions",
+                sources.len(),
+                format!("a segment needs 1..={MAX_REGIONS} regions"),
+            ));
+        }
+        if let Some(owner) = self.registry.segment(name) {
+            return Err(Error::SegmentExists {
+                name: name.into(),
+                agent: owner.agent,
+            });
+        }
+        let key = if key == 0 {
+            AccessKey::random()
+        } else {
+            AccessKey(key)
+        };
+        let mut regions = Vec::with_capacity(sources.len());
+        for (i, source) in sources.into_iter().enumerate() {
+            match self.map_region(i, source, key) {
+                Ok(r) => regions.push(r),
+                Err(e) => {
+                    self.drop_regions(&regions).await;
+                    return Err(e);
+                }
+            }
+        }
+        let segment = Arc::new(LocalSegment {
+            name: name.into(),
+            key,
+            regions,
+        });
+        let taken = {
+            let mut map = self.segments.write().unwrap_or_else(|e| e.into_inner());
+            let taken = map.contains_key(name);
+            if !taken {
+                map.insert(name.into(), segment.clone());
+            }
+            taken
+        };
+        if taken {
+            self.drop_regions(&segment.regions).await;
+            return Err(Error::SegmentExists {
+                name: name.into(),
+                agent: self.config.name.clone(),
+            });
+        }
+        let entry = SegmentEntry {
+            name: name.into(),
+            agent: self.config.name.clone(),
+            regions: segment
+                .regions
+                .iter()
+                .map(|r| SegmentRegion {
+                    id: r.id(),
+                    len: r.len(),
+                    location: r.location(),
+                })
+                .collect(),
+        };
+        if let Err(e) = self.registry.put_segment(entry).await {
+            self.segments
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(name);
+            self.drop_regions(&segment.regions).await;
+            return Err(e);
+        }
+        info!(
+            segment = name,
+            regions = segment.regions.len(),
+            "segment registered"
+        );
+        Ok(segment)
+    }
+
+    fn map_region(&self, i: usize, source: RegionSource, key: AccessKey) -> Result<Arc<Region>> {
+        let r = match source {
+            RegionSource::Host { fd_token } => {
+                let fd = self.take_fd(fd_token)?;
+                self.engine.register_memfd(fd, key)
+            }
+            RegionSource::Cuda {
+                device,
+                ipc_handle,
+                offset,
+                len,
+            } => {
+                let handle: [u8; 64] = ipc_handle.as_slice().try_into().map_err(|_| {
+                    Error::invalid(
+                        format!("regions[{i}].cuda.ipc_handle"),
+                        format!("{} bytes", ipc_handle.len()),
+                        "a CUDA IPC handle is 64 bytes",
+                    )
+                })?;
+                let export = CudaExport {
+                    handle: IpcHandle(handle),
+                    offset,
+                };
+                self.engine.import_cuda(device, export, len, key)
+            }
+        };
+        r.map_err(Error::from)
+    }
+
+    async fn drop_regions(&self, regions: &[Arc<Region>]) {
+        for r in regions {
+            if let Err(e) = self.engine.deregister(r.id()).await {
+                warn!(region = %r.id(), error = %e, "deregister failed");
+            }
+        }
+    }
+
+    /// Unpublishes a segment, then waits for the transfers that still use its memory.
+    pub async fn deregister(&self, name: &str, key: u64) -> Result<()> {
+        self.local_segment(name, key)?;
+        let Some(segment) = self
+            .segments
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name)
+        else {
+            return Err(Error::NoSuchSegment { name: name.into() });
+        };
+        let unpublished = self.registry.delete_segment(name).await;
+        self.drop_regions(&segment.regions).await;
+        info!(segment = name, "segment deregistered");
+        unpublished
+    }
+
+    /// Unpublishes every segment (graceful shutdown).
+    pub async fn deregister_all(&self) {
+        for s in self.local_segments() {
+            if let Err(e) = self.deregister(&s.name, s.key.0).await {
+                warn!(segment = %s.name, error = %e, "deregister at shutdown");
+            }
+        }
+    }
+
+    /// Moves one batch for a worker: resolves both segments, checks keys and indexes, picks (or
+    /// opens) the data connection to the agent serving the remote segment, and waits.
+    pub async fn transfer(&self, t: Transfer) -> Result<TransferResult> {
+        let local = self.local_segment(&t.local_segment, t.local_key)?;
+        if t.ops.is_empty() {
+            return Err(Error::invalid("ops", 0, "a batch needs at least one op"));
+        }
+        if t.ops.len() > self.config.max_batch_ops {
+            return Err(Error::invalid(
+                "ops",
+                t.ops.len(),
+                format!(
+                    "more than the agent's limit of {}",
+                    self.config.max_batch_ops
+                ),
+            ));
+        }
+        let remote =
+            self.registry
+                .segment(&t.remote_segment)
+                .ok_or_else(|| Error::NoSuchSegment {
+                    name: t.remote_segment.clone(),
+                })?;
+        let mut ops = Vec::with_capacity(t.ops.len());
+        let mut gpu_only = true;
+        for (i, o) in t.ops.iter().enumerate() {
+            let l = local
+                .regions
+                .get(o.local_region.0 as usize)
+                .ok_or_else(|| {
+                    index_error(
+                        i,
+                        "local_region",
+                        o.local_region.0,
+                        &local.name,
+                        local.regions.len(),
+                    )
+                })?;
+            let r = remote
+                .regions
+                .get(o.remote_region.0 as usize)
+                .ok_or_else(|| {
+                    index_error(
+                        i,
+                        "remote_region",
+                        o.remote_region.0,
+                        &remote.name,
+                        remote.regions.len(),
+                    )
+                })?;
+            gpu_only &= matches!(l.location(), Location::Cuda { .. })
+                && matches!(r.location, Location::Cuda { .. });
+            ops.push(BlockOp {
+                local_region: l.id(),
+                remote_region: r.id,
+                ..*o
+            });
+        }
+        let link = self.link(&remote, gpu_only).await?;
+        let descriptor = self.fresh_descriptor(&link, &remote).await?;
+        for r in &remote.regions {
+            let served = descriptor.region(r.id);
+            if served.is_some_and(|d| d.key != AccessKey(t.remote_key)) {
+                return Err(Error::WrongKey {
+                    name: remote.name.clone(),
+                });
+            }
+        }
+        let mut batch = Batch::new(t.opcode, ops)
+            .with_checksum(t.checksum)
+            .with_remote_key(AccessKey(t.remote_key));
+        batch.timeout = Some(t.timeout.unwrap_or(self.config.batch_timeout));
+        let outcome = match link.peer.submit(batch) {
+            Ok(handle) => handle.wait().await,
+            Err(e) => Err(e),
+        };
+        link.batches.fetch_add(1, Ordering::Relaxed);
+        match outcome {
+            Ok(done) => Ok(TransferResult {
+                bytes: done.bytes,
+                ops: done.ops,
+                coalesced_ops: done.coalesced_ops,
+                transport: done.transport,
+                transport_reason: link.reason.clone(),
+                elapsed: done.elapsed,
+                remote_agent: link.agent.clone(),
+            }),
+            Err(e) => {
+                link.errors.fetch_add(1, Ordering::Relaxed);
+                if connection_lost(&e) {
+                    self.forget(&link).await;
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// The cached data connection to the agent serving `segment`, or a new one.
+    async fn link(&self, segment: &SegmentEntry, gpu: bool) -> Result<Arc<Link>> {
+        let agent = self
+            .registry
+            .agent(&segment.agent)
+            .ok_or_else(|| Error::UnknownAgent {
+                agent: segment.agent.clone(),
+                segment: segment.name.clone(),
+            })?;
+        let candidates: Vec<TransportKind> = self
+            .config
+            .transports
+            .iter()
+            .copied()
+            .filter(|k| gpu || *k != TransportKind::CudaIpc)
+            .collect();
+        let mut links = self.links.lock().await;
+        if let Some(link) = candidates
+            .iter()
+            .find_map(|k| links.get(&(agent.name.clone(), *k)))
+        {
+            return Ok(link.clone());
+        }
+        let descriptor = self.peer_descriptor(&agent).await?;
+        let mut refused = Vec::new();
+        for kind in candidates {
+            match self
+                .engine
+                .connect(&descriptor, Preference::Only(kind), None)
+                .await
+            {
+                Ok(peer) => {
+                    let reason = if refused.is_empty() {
+                        format!("first allowed transport ({})", self.transports_list())
+                    } else {
+                        refused.join("; ")
+                    };
+                    info!(agent = %agent.name, transport = %kind, %reason, "data connection open");
+                    let link = Arc::new(Link {
+                        agent: agent.name.clone(),
+                        peer,
+                        reason,
+                        batches: AtomicU64::new(0),
+                        errors: AtomicU64::new(0),
+                        opened: Instant::now(),
+                    });
+                    links.insert((agent.name.clone(), kind), link.clone());
+                    return Ok(link);
+                }
+                Err(e) => refused.push(format!("{kind} not possible: {e}")),
+            }
+        }
+        Err(Error::PeerAgent {
+            agent: agent.name.clone(),
+            addr: agent.peer_addr.to_string(),
+            reason: format!("no allowed transport reaches it: {}", refused.join("; ")),
+        })
+    }
+
+    fn transports_list(&self) -> String {
+        self.config
+            .transports
+            .iter()
+            .map(|k| k.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The data-plane descriptor of an agent: ours directly, others' through their peer API.
+    async fn peer_descriptor(&self, agent: &AgentEntry) -> Result<SegmentDescriptor> {
+        if agent.name == self.config.name {
+            return Ok(self.descriptor());
+        }
+        peer_link::handshake(
+            agent,
+            &self.config.fabric,
+            &self.config.name,
+            self.config.connect_timeout,
+        )
+        .await
+    }
+
+    /// The link's view of the peer's regions, refreshed when it lacks some of `segment`'s (the
+    /// segment was registered after the link opened).
+    async fn fresh_descriptor(
+        &self,
+        link: &Link,
+        segment: &SegmentEntry,
+    ) -> Result<SegmentDescriptor> {
+        let known = link.peer.descriptor();
+        if segment.regions.iter().all(|r| known.region(r.id).is_some()) {
+            return Ok(known);
+        }
+        let agent = self
+            .registry
+            .agent(&link.agent)
+            .ok_or_else(|| Error::UnknownAgent {
+                agent: link.agent.clone(),
+                segment: segment.name.clone(),
+            })?;
+        let fresh = self.peer_descriptor(&agent).await?;
+        link.peer.set_descriptor(fresh.clone());
+        if let Some(r) = segment
+            .regions
+            .iter()
+            .find(|r| fresh.region(r.id).is_none())
+        {
+            return Err(Error::PeerAgent {
+                agent: link.agent.clone(),
+                addr: agent.peer_addr.to_string(),
+                reason: format!(
+                    "does not serve region {} of segment {:?} (the registry entry is stale)",
+                    r.id, segment.name
+                ),
+            });
+        }
+        Ok(fresh)
+    }
+
+    async fn forget(&self, link: &Arc<Link>) {
+        let mut links = self.links.lock().await;
+        let key = (link.agent.clone(), link.peer.transport());
+        if links.get(&key).is_some_and(|l| Arc::ptr_eq(l, link)) {
+            links.remove(&key);
+            self.closed_bytes
+                .fetch_add(link.peer.stats().bytes, Ordering::Relaxed);
+            warn!(agent = %link.agent, transport = %key.1, "data connection dropped; the next batch re-dials");
+        }
+    }
+
+    pub async fn links(&self) -> Vec<Arc<Link>> {
+        let mut v: Vec<_> = self.links.lock().await.values().cloned().collect();
+        v.sort_by(|a, b| a.agent.cmp(&b.agent));
+        v
+    }
+
+    pub fn closed_bytes(&self) -> u64 {
+        self.closed_bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// Errors after which the connection cannot be trusted to carry the next batch.
+fn connection_lost(e: &kvfabric_engine::Error) -> bool {
+    matches!(
+        e.code(),
+        "peer_closed" | "timeout" | "io" | "malformed_frame" | "shutting_down"
+    )
+}
+
+fn index_error(op: usize, field: &str, index: u64, segment: &str, count: usize) -> Error {
+    Error::invalid(
+        format!("ops[{op}].{field}"),
+        index,
+        format!("segment {segment:?} has {count} regions"),
+    )
+}
+
+/// Segment names become etcd key segments and log fields: keep them plain.
+pub fn check_segment_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "name",
+            format!("{name:?}"),
+            "1..=253 characters of [A-Za-z0-9-_.:]",
+        ))
+    }
+}

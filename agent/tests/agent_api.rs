@@ -1,0 +1,359 @@
+//! Two agents in one process sharing an in-memory registry: workers register memory, pull and
+//! push by segment name over tcp and shm, and bad requests get typed gRPC statuses.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use kvfabric_agent::cli::{AgentArgs, Cli, Command};
+use kvfabric_agent::client::{Client, HostMemory, Op};
+use kvfabric_agent::registry::SharedRegistry;
+use kvfabric_agent::registry::memory::{MemoryRegistry, MemoryStore};
+use kvfabric_agent::rpc::pb::{self, SubmitRequest};
+use kvfabric_agent::server::{Listeners, serve};
+use rand::{RngCore, SeedableRng};
+use tokio::sync::watch;
+use tonic::Code;
+
+struct TestAgent {
+    dir: tempfile::TempDir,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<kvfabric_agent::Result<()>>,
+}
+
+impl TestAgent {
+    async fn start(name: &str, transports: &str, store: &MemoryStore) -> TestAgent {
+        let dir = tempfile::tempdir().unwrap();
+        let cli = Cli::parse_from([
+            "kvfabric",
+            "agent",
+            "--name",
+            name,
+            "--fabric",
+            "test",
+            "--transports",
+            transports,
+            "--socket-dir",
+            dir.path().to_str().unwrap(),
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--data-addr",
+            "127.0.0.1:0",
+            "--batch-timeout-ms",
+            "5000",
+            "--max-batch-ops",
+            "1000",
+        ]);
+        let Command::Agent(args) = cli.command else {
+            unreachable!()
+        };
+        let args: AgentArgs = args;
+        let listeners = Listeners::bind(dir.path(), args.grpc_addr, args.data_addr)
+            .await
+            .unwrap();
+        let registry: SharedRegistry = Arc::new(MemoryRegistry::new(store.clone()));
+        let (stop, mut rx) = watch::channel(false);
+        let task = tokio::spawn(async move {
+            serve(&args, listeners, registry, async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+        });
+        let agent = TestAgent { dir, stop, task };
+        // Ready once the local socket answers.
+        for _ in 0..500 {
+            if Client::connect(agent.dir.path()).await.is_ok() {
+                return agent;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("agent {name} did not start");
+    }
+
+    fn socket_dir(&self) -> PathBuf {
+        self.dir.path().to_path_buf()
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+fn random(len: u64, seed: u64) -> HostMemory {
+    let m = HostMemory::alloc(len).unwrap();
+    // SAFETY: nothing transfers into it yet.
+    rand::rngs::SmallRng::seed_from_u64(seed).fill_bytes(unsafe { m.as_mut_slice() });
+    m
+}
+
+fn blocks(n: u64, block: u64, stride: u64) -> Vec<Op> {
+    (0..n)
+        .map(|i| Op {
+            local_region: 0,
+            local_offset: i * block,
+            remote_region: 0,
+            remote_offset: (i * stride) % 64 * block,
+            len: block,
+        })
+        .collect()
+}
+
+async fn pull_and_push(transports: &str, expect: &str) {
+    let store = MemoryStore::new();
+    let a = TestAgent::start("node-a", transports, &store).await;
+    let b = TestAgent::start("node-b", transports, &store).await;
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+
+    let block = 32 << 10;
+    let src = random(64 * block, 1);
+    let dst = random(64 * block, 2);
+    let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let d = decode
+        .register("decode-0", &[&dst], Some(77))
+        .await
+        .unwrap();
+    assert_eq!(d.key, 77);
+
+    let ops = blocks(32, block, 7);
+    let done = decode.read(&d, "prefill-0", p.key, &ops).await.unwrap();
+    assert_eq!(done.bytes, 32 * block);
+    assert_eq!(done.transport, expect, "{done:?}");
+    assert_eq!(done.remote_agent, "node-a");
+    // SAFETY: the batch completed; nothing is in flight.
+    let (s, t) = unsafe { (src.as_slice(), dst.as_slice()) };
+    for o in &ops {
+        let (lo, ro, n) = (
+            o.local_offset as usize,
+            o.remote_offset as usize,
+            o.len as usize,
+        );
+        assert!(t[lo..lo + n] == s[ro..ro + n], "block at {lo} differs");
+    }
+    // Untouched blocks keep their bytes.
+    let untouched = random(64 * block, 2);
+    // SAFETY: as above.
+    let u = unsafe { untouched.as_slice() };
+    assert!(t[32 * block as usize..] == u[32 * block as usize..]);
+
+    // Push back the other way: decode's first block into prefill's last.
+    let push = [Op {
+        local_region: 0,
+        local_offset: 0,
+        remote_region: 0,
+        remote_offset: 63 * block,
+        len: block,
+    }];
+    decode.write(&d, "prefill-0", p.key, &push).await.unwrap();
+    // SAFETY: as above.
+    let s = unsafe { src.as_slice() };
+    assert!(s[63 * block as usize..] == t[..block as usize]);
+
+    let status = decode.status().await.unwrap();
+    assert_eq!(status.agents.len(), 2, "{status:?}");
+    assert_eq!(status.segments.len(), 2);
+    assert_eq!(status.connections.len(), 1);
+    assert_eq!(status.connections[0].transport, expect);
+    assert!(status.connections[0].bytes >= 33 * block);
+
+    decode.deregister(&d).await.unwrap();
+    assert!(prefill.status().await.unwrap().segments.len() == 1);
+    b.stop().await;
+    a.stop().await;
+    assert!(store_is_empty(&store));
+}
+
+fn store_is_empty(store: &MemoryStore) -> bool {
+    let r = MemoryRegistry::new(store.clone());
+    use kvfabric_agent::registry::Registry;
+    r.segments().is_empty() && r.agents().is_empty()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_pull_and_push_by_segment_name_over_tcp() {
+    pull_and_push("tcp", "tcp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_on_one_node_use_shared_memory() {
+    pull_and_push("shm,tcp", "shm").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
+    let store = MemoryStore::new();
+    let a = TestAgent::start("node-a", "tcp", &store).await;
+    let b = TestAgent::start("node-b", "tcp", &store).await;
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let src = random(1 << 20, 1);
+    let dst = random(1 << 20, 2);
+    let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let d = decode.register("decode-0", &[&dst], None).await.unwrap();
+    let op = pb::BlockOp {
+        local_region: 0,
+        local_offset: 0,
+        remote_region: 0,
+        remote_offset: 0,
+        len: 4096,
+    };
+    let good = SubmitRequest {
+        local_segment: d.name.clone(),
+        local_key: d.key,
+        remote_segment: p.name.clone(),
+        remote_key: p.key,
+        opcode: pb::Opcode::Read as i32,
+        ops: vec![op],
+        timeout_ms: 0,
+        checksum: false,
+    };
+    let cases: Vec<(&str, SubmitRequest, Code, &str)> = vec![
+        (
+            "unknown remote segment",
+            SubmitRequest {
+                remote_segment: "nope".into(),
+                ..good.clone()
+            },
+            Code::NotFound,
+            "nope",
+        ),
+        (
+            "unknown local segment",
+            SubmitRequest {
+                local_segment: "mine?".into(),
+                ..good.clone()
+            },
+            Code::NotFound,
+            "mine?",
+        ),
+        (
+            "wrong remote key",
+            SubmitRequest {
+                remote_key: p.key ^ 1,
+                ..good.clone()
+            },
+            Code::PermissionDenied,
+            "prefill-0",
+        ),
+        (
+            "wrong local key",
+            SubmitRequest {
+                local_key: d.key ^ 1,
+                ..good.clone()
+            },
+            Code::PermissionDenied,
+            "decode-0",
+        ),
+        (
+            "oversized batch",
+            SubmitRequest {
+                ops: vec![op; 1001],
+                ..good.clone()
+            },
+            Code::InvalidArgument,
+            "1001",
+        ),
+        (
+            "empty batch",
+            SubmitRequest {
+                ops: vec![],
+                ..good.clone()
+            },
+            Code::InvalidArgument,
+            "at least one op",
+        ),
+        (
+            "region index out of range",
+            SubmitRequest {
+                ops: vec![pb::BlockOp {
+                    remote_region: 3,
+                    ..op
+                }],
+                ..good.clone()
+            },
+            Code::InvalidArgument,
+            "remote_region",
+        ),
+        (
+            "remote offset out of bounds",
+            SubmitRequest {
+                ops: vec![pb::BlockOp {
+                    remote_offset: (1 << 20) - 100,
+                    ..op
+                }],
+                ..good.clone()
+            },
+            Code::InvalidArgument,
+            "remote_offset",
+        ),
+        (
+            "bad opcode",
+            SubmitRequest {
+                opcode: 9,
+                ..good.clone()
+            },
+            Code::InvalidArgument,
+            "opcode",
+        ),
+    ];
+    for (what, req, code, needle) in cases {
+        let s = decode.submit_raw(req).await.unwrap_err();
+        assert_eq!(s.code(), code, "{what}: {s:?}");
+        assert!(s.message().contains(needle), "{what}: {}", s.message());
+    }
+    // SAFETY: every bad batch was refused before any I/O; nothing is in flight.
+    let untouched = random(1 << 20, 2);
+    let same = {
+        // SAFETY: every bad batch was refused before any I/O; nothing is in flight.
+        unsafe { dst.as_slice() == untouched.as_slice() }
+    };
+    assert!(same, "a refused batch wrote");
+
+    // Registration mistakes.
+    let mut grpc = decode.grpc();
+    let malformed = pb::RegisterSegmentRequest {
+        name: "gpu-0".into(),
+        regions: vec![pb::RegionSpec {
+            memory: Some(pb::region_spec::Memory::Cuda(pb::CudaMemory {
+                device: 0,
+                ipc_handle: vec![1, 2, 3],
+                offset: 0,
+                len: 4096,
+            })),
+        }],
+        key: 0,
+    };
+    let s = grpc.register_segment(malformed).await.unwrap_err();
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(s.message().contains("64 bytes"), "{}", s.message());
+    let bogus_token = pb::RegisterSegmentRequest {
+        name: "host-0".into(),
+        regions: vec![pb::RegionSpec {
+            memory: Some(pb::region_spec::Memory::Host(pb::HostMemory {
+                fd_token: 42,
+            })),
+        }],
+        key: 0,
+    };
+    let s = grpc.register_segment(bogus_token).await.unwrap_err();
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(s.message().contains("fd_token"), "{}", s.message());
+    let other = random(4096, 3);
+    let err = decode
+        .register("prefill-0", &[&other], None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("AlreadyExists"), "{err}");
+    let err = decode
+        .register("bad/name", &[&other], None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("InvalidArgument"), "{err}");
+
+    // Still serving.
+    decode.submit_raw(good).await.unwrap();
+    b.stop().await;
+    a.stop().await;
+}
