@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bytesize;
 pub mod cli;
+pub mod discovery;
 mod error;
 pub mod shutdown;
 
