@@ -145,6 +145,39 @@ pub enum Error {
         ptr: u64,
         len: u64,
     },
+
+    #[error("no usable RDMA device: {reason}")]
+    NoRdmaDevice { reason: String },
+
+    #[error("rdma device {device} port {port}: {reason}")]
+    RdmaPort {
+        device: String,
+        port: u32,
+        reason: String,
+    },
+
+    #[error("invalid rdma handshake from {peer}: {field} = {value} ({reason})")]
+    BadHandshake {
+        peer: String,
+        field: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+
+    #[error("send queue of {qp}: {field} = {value} would exceed depth {depth}")]
+    CreditOverrun {
+        qp: String,
+        field: &'static str,
+        value: u64,
+        depth: u32,
+    },
+
+    #[error("{call} failed on {device}: {reason}")]
+    Verbs {
+        call: &'static str,
+        device: String,
+        reason: String,
+    },
 }
 
 /// Which side of a block op a region belongs to.
@@ -216,6 +249,11 @@ impl Error {
             Error::MixedDevices { .. } => "mixed_devices",
             Error::InvalidIpcHandle { .. } => "invalid_ipc_handle",
             Error::UnregisteredPointer { .. } => "unregistered_pointer",
+            Error::NoRdmaDevice { .. } => "no_rdma_device",
+            Error::RdmaPort { .. } => "rdma_port",
+            Error::BadHandshake { .. } => "bad_handshake",
+            Error::CreditOverrun { .. } => "credit_overrun",
+            Error::Verbs { .. } => "verbs",
         }
     }
 

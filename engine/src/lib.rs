@@ -10,6 +10,7 @@ mod error;
 pub mod frame;
 mod handshake;
 mod op;
+pub mod rdma;
 mod region;
 mod region_table;
 mod segment;

@@ -63,6 +63,16 @@ impl FromStr for CudaPath {
     }
 }
 
+/// One GPU as the driver describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaDeviceInfo {
+    pub ordinal: u32,
+    pub name: String,
+    /// As the driver writes it, e.g. `00000000:3B:00.0`.
+    pub pci_bus_id: String,
+    pub memory_bytes: u64,
+}
+
 /// What `verify` found in a device pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceVerdict {
@@ -96,6 +106,9 @@ mod stub {
     }
 
     pub fn device_count() -> Result<u32> {
+        off()
+    }
+    pub fn devices() -> Result<Vec<super::CudaDeviceInfo>> {
         off()
     }
     pub fn fill(_region: &Arc<Region>, _block_size: u64, _seed: u64) -> Result<()> {

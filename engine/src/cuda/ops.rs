@@ -20,6 +20,46 @@ pub fn device_count() -> Result<u32> {
     Ok(driver::driver()?.devices.len() as u32)
 }
 
+/// Every GPU the driver sees: name, PCI bus id and memory, for discovery and topology.
+pub fn devices() -> Result<Vec<super::CudaDeviceInfo>> {
+    let d = driver::driver()?;
+    let text = |call: &'static str, buf: &[u8], r: sys::CUresult| -> Result<String> {
+        check(call, r)?;
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+    };
+    let mut out = Vec::with_capacity(d.devices.len());
+    for dev in &d.devices {
+        let mut handle = 0;
+        // SAFETY: a valid out-pointer; the ordinal came from cuDeviceGetCount at load.
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut handle, dev.ordinal as i32)
+        })?;
+        let mut name = [0u8; 256];
+        // SAFETY: the buffer is as long as the length passed; the driver NUL-terminates.
+        let r =
+            unsafe { sys::cuDeviceGetName(name.as_mut_ptr().cast(), name.len() as i32, handle) };
+        let name = text("cuDeviceGetName", &name, r)?;
+        let mut bus = [0u8; 32];
+        // SAFETY: as above (a bus id is at most 13 bytes with its NUL).
+        let r =
+            unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr().cast(), bus.len() as i32, handle) };
+        let pci_bus_id = text("cuDeviceGetPCIBusId", &bus, r)?;
+        let mut bytes = 0usize;
+        // SAFETY: a valid out-pointer and device handle.
+        check("cuDeviceTotalMem", unsafe {
+            sys::cuDeviceTotalMem_v2(&mut bytes, handle)
+        })?;
+        out.push(super::CudaDeviceInfo {
+            ordinal: dev.ordinal,
+            name,
+            pci_bus_id,
+            memory_bytes: bytes as u64,
+        });
+    }
+    Ok(out)
+}
+
 pub(crate) fn alloc_region(id: RegionId, device: u32, len: u64) -> Result<Region> {
     let dev = driver::device(device)?;
     let mem = DeviceMem::alloc(dev, len)?;

@@ -1,0 +1,19 @@
+//! RDMA: device discovery over sysfs, the choices made before any verbs call (devices allowed
+//! and allocated, GID, NIC per region), the plans and accounting of the data path (slices
+//! striped over QPs and NICs, work-request chains, send-queue credits), the handshake carried by
+//! the agents' peer API, and the retry/fallback policy.
+//!
+//! Everything here except `verbs` is plain logic and builds without libibverbs; `verbs` (cargo
+//! feature `rdma`) is the part that talks to a device.
+
+pub mod allocation;
+pub mod mtu;
+pub mod select;
+pub mod sysfs;
+pub mod topology;
+
+pub use allocation::Allocation;
+pub use mtu::Mtu;
+pub use select::{DeviceFilter, GidChoice, UsablePort};
+pub use sysfs::{Gid, GidEntry, GidKind, LinkLayer, Nic, PciPath, Port, PortState};
+pub use topology::{MemoryPlace, NicChoice, NicPlace};
