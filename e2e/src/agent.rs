@@ -1,0 +1,157 @@
+//! `kvfabric agent` as a child process, optionally inside a network namespace.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::net::Host;
+
+/// The `kvfabric` binary of this workspace (built on demand when a lone `cargo test -p
+/// kvfabric-e2e` has not built it yet).
+pub fn kvfabric_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    // target/<profile>/deps/<test> → target/<profile>/kvfabric
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target profile dir");
+    let bin = profile_dir.join("kvfabric");
+    if !bin.exists() {
+        let release = profile_dir.ends_with("release");
+        let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        cargo.args(["build", "-p", "kvfabric-agent", "--bin", "kvfabric"]);
+        if release {
+            cargo.arg("--release");
+        }
+        let ok = cargo.status().map(|s| s.success()).unwrap_or(false);
+        assert!(ok && bin.exists(), "could not build {}", bin.display());
+    }
+    bin
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Ready {
+    pub agent: String,
+    pub peer: SocketAddr,
+    pub data: SocketAddr,
+    pub socket_dir: PathBuf,
+    pub registry: String,
+}
+
+#[derive(Debug)]
+pub struct AgentProcess {
+    pub name: String,
+    pub ready: Ready,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl AgentProcess {
+    /// Starts an agent on `host` with `etcd` endpoints and extra flags; waits for its ready line.
+    pub fn spawn(name: &str, host: &Host, etcd: &str, extra: &[&str]) -> AgentProcess {
+        let dir = tempfile::tempdir().expect("socket dir");
+        let bin = kvfabric_bin();
+        let ip = host.ip.to_string();
+        let mut args: Vec<String> = vec![
+            "agent".into(),
+            "--name".into(),
+            name.into(),
+            "--fabric".into(),
+            "e2e".into(),
+            "--socket-dir".into(),
+            dir.path().display().to_string(),
+            "--grpc-addr".into(),
+            format!("{ip}:0"),
+            "--data-addr".into(),
+            format!("{ip}:0"),
+            "--advertise-addr".into(),
+            ip,
+            "--etcd-endpoints".into(),
+            etcd.into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut cmd = match &host.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        cmd.args(&args)
+            .env("KVFABRIC_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.path().join("agent.log")).expect("agent log"),
+            ));
+        let mut child = cmd.spawn().expect("spawn kvfabric agent");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default();
+        let ready: Ready = match serde_json::from_str(&line) {
+            Ok(r) => r,
+            Err(_) => {
+                let _ = child.kill();
+                let log = std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
+                panic!("agent {name} did not start (line {line:?}); log:\n{log}");
+            }
+        };
+        AgentProcess {
+            name: name.into(),
+            ready,
+            child: Some(child),
+            dir,
+        }
+    }
+
+    pub fn socket_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+
+    /// SIGKILL: the agent dies with its connections and keeps its registry keys until the lease
+    /// runs out.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait: the agent drains and deletes its keys. Returns its exit code.
+    pub fn terminate(&mut self) -> Option<i32> {
+        let mut c = self.child.take()?;
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(status)) = c.try_wait() {
+                return status.code();
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = c.kill();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}

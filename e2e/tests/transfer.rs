@@ -1,0 +1,136 @@
+//! Two agent processes, each in its own network namespace, registered in a real etcd: a prefill
+//! worker registers random KV blocks, a decode worker pulls them by segment name.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{BLOCK, TTL_SECS, etcd_on, sees, within};
+use kvfabric_agent::client::{Client, Op};
+use kvfabric_agent::rpc::pb::HandshakeRequest;
+use kvfabric_agent::rpc::pb::peer_agent_client::PeerAgentClient;
+use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
+use kvfabric_e2e::{AgentProcess, Network, kvfabric_bin};
+use tonic::Code;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_pulls_prefill_blocks_across_namespaces_through_etcd() {
+    let net = Network::new(2);
+    let Some(etcd) = etcd_on(net.gateway).await else {
+        return;
+    };
+    let ttl = TTL_SECS.to_string();
+    let flags = ["--transports", "tcp", "--lease-ttl-secs", &ttl];
+    let mut a = AgentProcess::spawn("prefill-node", &net.hosts[0], &etcd.endpoint(), &flags);
+    let mut b = AgentProcess::spawn("decode-node", &net.hosts[1], &etcd.endpoint(), &flags);
+    assert_eq!(a.ready.registry, "etcd");
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+
+    let blocks = 256;
+    let src = random_memory(blocks * BLOCK, 11);
+    let dst = random_memory(blocks * BLOCK, 12);
+    let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let d = decode.register("decode-0", &[&dst], None).await.unwrap();
+    within(Duration::from_secs(5), "decode agent sees prefill-0", || {
+        sees(&decode, "prefill-0")
+    })
+    .await;
+
+    let ops = scattered(128, BLOCK, blocks);
+    let done = decode.read(&d, "prefill-0", p.key, &ops).await.unwrap();
+    assert_eq!(done.transport, "tcp");
+    assert_eq!(done.remote_agent, "prefill-node");
+    assert_eq!(done.bytes, 128 * BLOCK);
+    assert_eq!(first_mismatch(&ops, &dst, &src), None);
+    // Blocks never written still hold the decode worker's own data.
+    let original = random_memory(blocks * BLOCK, 12);
+    // SAFETY: no transfer in flight.
+    let (got, want) = unsafe { (dst.as_slice(), original.as_slice()) };
+    assert!(got[(128 * BLOCK) as usize..] == want[(128 * BLOCK) as usize..]);
+
+    // Push: decode's block 0 into prefill's last block.
+    let push = [Op {
+        local_region: 0,
+        local_offset: 0,
+        remote_region: 0,
+        remote_offset: (blocks - 1) * BLOCK,
+        len: BLOCK,
+    }];
+    decode.write(&d, "prefill-0", p.key, &push).await.unwrap();
+    // SAFETY: as above.
+    let (s, t) = unsafe { (src.as_slice(), dst.as_slice()) };
+    assert!(s[((blocks - 1) * BLOCK) as usize..] == t[..BLOCK as usize]);
+
+    // `kvfabric status` against the decode agent: both agents, both segments, the tcp link.
+    let out = Command::new(kvfabric_bin())
+        .args(["status", "--socket-dir"])
+        .arg(b.socket_dir())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    for needle in ["prefill-node", "decode-node", "prefill-0", "decode-0", "tcp", "etcd"] {
+        assert!(text.contains(needle), "status lacks {needle}:\n{text}");
+    }
+
+    // Graceful stop deletes the agents' keys at once (not after the TTL).
+    assert_eq!(b.terminate(), Some(0), "{}", b.log());
+    assert_eq!(a.terminate(), Some(0), "{}", a.log());
+    let mut kv = etcd.client().await.unwrap();
+    let left = kv
+        .get("/kvfabric/e2e/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    assert_eq!(left.kvs().len(), 0, "keys left after graceful stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peer_api_refuses_strangers_and_garbage_and_keeps_serving() {
+    let net = Network::new(1);
+    let Some(etcd) = etcd_on(net.gateway).await else {
+        return;
+    };
+    let a = AgentProcess::spawn("node-a", &net.hosts[0], &etcd.endpoint(), &["--transports", "tcp"]);
+    let peer = a.ready.peer;
+    let mut grpc = PeerAgentClient::connect(format!("http://{peer}")).await.unwrap();
+    let s = grpc
+        .handshake(HandshakeRequest {
+            fabric: "another-fabric".into(),
+            agent: "x".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::PermissionDenied, "{s:?}");
+    assert!(s.message().contains("another-fabric"), "{}", s.message());
+
+    // Garbage and truncated HTTP/2 on the peer port, and on the data port.
+    for addr in [peer, a.ready.data] {
+        use std::io::Write;
+        let mut raw = std::net::TcpStream::connect(addr).unwrap();
+        let _ = raw.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x09garbage!garbage");
+        drop(raw);
+        let mut raw = std::net::TcpStream::connect(addr).unwrap();
+        let _ = raw.write_all(&[0xff; 4096]);
+    }
+    // Garbage on the fd socket.
+    {
+        use std::io::Write;
+        let mut s = std::os::unix::net::UnixStream::connect(a.socket_dir().join("agent.fd.sock"))
+            .unwrap();
+        let _ = s.write_all(b"not a memfd request");
+    }
+    let ok = grpc
+        .handshake(HandshakeRequest {
+            fabric: "e2e".into(),
+            agent: "x".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ok.agent, "node-a");
+    let worker = Client::connect(a.socket_dir()).await.unwrap();
+    let m = random_memory(4096, 1);
+    worker.register("still-serving", &[&m], None).await.unwrap();
+}
