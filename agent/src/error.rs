@@ -24,6 +24,47 @@ pub enum Error {
         first: String,
     },
 
+    /// `delete_segment` of a segment this agent did not put.
+    #[error("unknown segment {name:?}: this agent did not put it")]
+    UnknownSegment { name: String },
+
+    /// etcd did not answer (down, partitioned, timed out). For writes, the entry is still
+    /// remembered and gets published when the lease is re-established.
+    #[error("etcd at {endpoints} unavailable for {op}: {reason}")]
+    RegistryUnavailable {
+        op: String,
+        endpoints: String,
+        reason: String,
+    },
+
+    /// etcd answered with an error (permission denied, bad request, ...).
+    #[error("etcd at {endpoints} refused {op}: {reason}")]
+    Registry {
+        op: String,
+        endpoints: String,
+        reason: String,
+    },
+
+    /// etcd rejected the username or password.
+    #[error("etcd at {endpoints} rejected user {user:?}: {reason}")]
+    RegistryAuth {
+        user: String,
+        endpoints: String,
+        reason: String,
+    },
+
+    /// The `etcd` binary the test kit runs was not found.
+    #[error("etcd not found: apt-get install etcd-server (looked for {looked})")]
+    EtcdNotFound { looked: String },
+
+    /// The test kit's etcd did not come up.
+    #[error("etcd at {endpoint} did not start: {reason} (log: {log})")]
+    EtcdStart {
+        endpoint: String,
+        reason: String,
+        log: String,
+    },
+
     #[error("{context}: {source}")]
     Io {
         context: String,
