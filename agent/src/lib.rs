@@ -16,5 +16,6 @@ pub mod rpc;
 pub mod server;
 pub mod shutdown;
 pub mod status;
+pub mod testkit;
 
 pub use error::{Error, Result};

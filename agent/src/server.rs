@@ -3,7 +3,6 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvfabric_engine::{Engine, EngineConfig};
@@ -21,7 +20,7 @@ use crate::local_api::LocalApi;
 use crate::node::{Node, NodeConfig};
 use crate::peer_api::PeerApi;
 use crate::registry::etcd::{EtcdConfig, EtcdRegistry, EtcdTls};
-use crate::registry::memory::{MemoryRegistry, MemoryStore};
+use crate::registry::memory::MemoryRegistry;
 use crate::registry::{AgentEntry, SharedRegistry};
 use crate::rpc::MAX_MESSAGE_BYTES;
 use crate::rpc::pb::local_agent_server::LocalAgentServer;
@@ -82,7 +81,7 @@ pub async fn run(args: AgentArgs, shutdown: impl Future<Output = ()>) -> Result<
     validate(&args)?;
     let listeners = Listeners::bind(&args.socket_dir, args.grpc_addr, args.data_addr).await?;
     let registry: SharedRegistry = if args.etcd_endpoints.is_empty() {
-        Arc::new(MemoryRegistry::new(MemoryStore::new()))
+        MemoryRegistry::standalone()
     } else {
         let tls = match &args.etcd_tls_dir {
             Some(dir) => Some(EtcdTls::from_dir(dir)?),
@@ -99,16 +98,12 @@ pub async fn run(args: AgentArgs, shutdown: impl Future<Output = ()>) -> Result<
                 ));
             }
         };
-        EtcdRegistry::connect(EtcdConfig {
-            endpoints: args.etcd_endpoints.clone(),
-            prefix: args.etcd_key_prefix.clone(),
-            fabric: args.fabric.clone(),
-            lease_ttl: Duration::from_secs(args.lease_ttl_secs),
-            tls,
-            auth,
-            ..EtcdConfig::default()
-        })
-        .await?
+        let mut config = EtcdConfig::new(args.etcd_endpoints.clone(), args.fabric.clone());
+        config.prefix = args.etcd_key_prefix.clone();
+        config.lease_ttl = Duration::from_secs(args.lease_ttl_secs);
+        config.tls = tls;
+        config.auth = auth;
+        EtcdRegistry::connect(config).await?
     };
     serve(&args, listeners, registry, shutdown).await
 }

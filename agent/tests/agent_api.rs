@@ -52,7 +52,7 @@ impl TestAgent {
         let listeners = Listeners::bind(dir.path(), args.grpc_addr, args.data_addr)
             .await
             .unwrap();
-        let registry: SharedRegistry = Arc::new(MemoryRegistry::new(store.clone()));
+        let registry: SharedRegistry = store.registry();
         let (stop, mut rx) = watch::channel(false);
         let task = tokio::spawn(async move {
             serve(&args, listeners, registry, async move {
@@ -166,7 +166,7 @@ async fn pull_and_push(transports: &str, expect: &str) {
 }
 
 fn store_is_empty(store: &MemoryStore) -> bool {
-    let r = MemoryRegistry::new(store.clone());
+    let r = MemoryRegistry::new(store);
     use kvfabric_agent::registry::Registry;
     r.segments().is_empty() && r.agents().is_empty()
 }
@@ -303,7 +303,6 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
         assert_eq!(s.code(), code, "{what}: {s:?}");
         assert!(s.message().contains(needle), "{what}: {}", s.message());
     }
-    // SAFETY: every bad batch was refused before any I/O; nothing is in flight.
     let untouched = random(1 << 20, 2);
     let same = {
         // SAFETY: every bad batch was refused before any I/O; nothing is in flight.

@@ -106,7 +106,15 @@ impl Network {
                 "link", "add", &outer, "type", "veth", "peer", "name", "eth0", "netns", &ns,
             ])?;
             ip(&["link", "set", &outer, "master", &bridge, "up"])?;
-            ip(&["-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{addr}/24"),
+                "dev",
+                "eth0",
+            ])?;
             ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
         }

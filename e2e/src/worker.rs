@@ -30,7 +30,11 @@ pub fn first_mismatch(ops: &[Op], dst: &HostMemory, src: &HostMemory) -> Option<
     // SAFETY: callers check after every batch has completed.
     let (d, s) = unsafe { (dst.as_slice(), src.as_slice()) };
     ops.iter().position(|o| {
-        let (l, r, n) = (o.local_offset as usize, o.remote_offset as usize, o.len as usize);
+        let (l, r, n) = (
+            o.local_offset as usize,
+            o.remote_offset as usize,
+            o.len as usize,
+        );
         d[l..l + n] != s[r..r + n]
     })
 }

@@ -57,9 +57,16 @@ async fn killing_the_serving_agent_mid_batch_fails_the_waiting_worker_in_time() 
     let blocks = 2048;
     let src = random_memory(blocks * BLOCK, 1);
     let dst = random_memory(blocks * BLOCK, 2);
-    let ps = p.prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let ps = p
+        .prefill
+        .register("prefill-0", &[&src], None)
+        .await
+        .unwrap();
     let ds = p.decode.register("decode-0", &[&dst], None).await.unwrap();
-    within(Duration::from_secs(5), "segment visible", || sees(&p.decode, "prefill-0")).await;
+    within(Duration::from_secs(5), "segment visible", || {
+        sees(&p.decode, "prefill-0")
+    })
+    .await;
     let ops = scattered(blocks, BLOCK, blocks);
     p.decode.read(&ds, "prefill-0", ps.key, &ops).await.unwrap();
 
@@ -82,7 +89,10 @@ async fn killing_the_serving_agent_mid_batch_fails_the_waiting_worker_in_time() 
         .unwrap();
     let waited = failed.saturating_duration_since(killed);
     println!("worker saw {err} {waited:?} after kill -9");
-    assert!(waited <= Duration::from_millis(TIMEOUT_MS + 500), "{waited:?}");
+    assert!(
+        waited <= Duration::from_millis(TIMEOUT_MS + 500),
+        "{waited:?}"
+    );
     // The decode agent keeps serving.
     assert!(p.decode.status().await.is_ok());
 }
@@ -92,9 +102,16 @@ async fn etcd_down_keeps_transfers_going_and_agents_re_register_within_a_ttl() {
     let Some(mut p) = pair().await else { return };
     let src = random_memory(64 * BLOCK, 3);
     let dst = random_memory(64 * BLOCK, 4);
-    let ps = p.prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let ps = p
+        .prefill
+        .register("prefill-0", &[&src], None)
+        .await
+        .unwrap();
     let ds = p.decode.register("decode-0", &[&dst], None).await.unwrap();
-    within(Duration::from_secs(5), "segment visible", || sees(&p.decode, "prefill-0")).await;
+    within(Duration::from_secs(5), "segment visible", || {
+        sees(&p.decode, "prefill-0")
+    })
+    .await;
     let ops = scattered(32, BLOCK, 64);
     p.decode.read(&ds, "prefill-0", ps.key, &ops).await.unwrap();
 
@@ -103,7 +120,10 @@ async fn etcd_down_keeps_transfers_going_and_agents_re_register_within_a_ttl() {
     let down = Instant::now();
     while down.elapsed() < Duration::from_secs(TTL_SECS + 1) {
         let done = p.decode.read(&ds, "prefill-0", ps.key, &ops).await;
-        assert!(done.is_ok(), "transfer failed while etcd was down: {done:?}");
+        assert!(
+            done.is_ok(),
+            "transfer failed while etcd was down: {done:?}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(first_mismatch(&ops, &dst, &src), None);
@@ -121,7 +141,11 @@ async fn etcd_down_keeps_transfers_going_and_agents_re_register_within_a_ttl() {
             async move {
                 kv.get(
                     "/kvfabric/e2e/",
-                    Some(etcd_client::GetOptions::new().with_prefix().with_keys_only()),
+                    Some(
+                        etcd_client::GetOptions::new()
+                            .with_prefix()
+                            .with_keys_only(),
+                    ),
                 )
                 .await
                 .is_ok_and(|r| r.kvs().len() == 4)
@@ -149,9 +173,16 @@ async fn a_cut_link_fails_batches_then_recovers_when_restored() {
     }
     let src = random_memory(64 * BLOCK, 5);
     let dst = random_memory(64 * BLOCK, 6);
-    let ps = p.prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let ps = p
+        .prefill
+        .register("prefill-0", &[&src], None)
+        .await
+        .unwrap();
     let ds = p.decode.register("decode-0", &[&dst], None).await.unwrap();
-    within(Duration::from_secs(5), "segment visible", || sees(&p.decode, "prefill-0")).await;
+    within(Duration::from_secs(5), "segment visible", || {
+        sees(&p.decode, "prefill-0")
+    })
+    .await;
     let ops = scattered(64, BLOCK, 64);
     p.decode.read(&ds, "prefill-0", ps.key, &ops).await.unwrap();
 
@@ -167,15 +198,23 @@ async fn a_cut_link_fails_batches_then_recovers_when_restored() {
         .await
         .unwrap_err();
     println!("with the link down: {err} after {:?}", start.elapsed());
-    assert!(start.elapsed() < Duration::from_secs(4), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        start.elapsed()
+    );
 
     p.net.set_link(0, true).unwrap();
     // SAFETY: no batch is in flight (the failed one timed out and was dropped).
     unsafe { dst.as_mut_slice() }.fill(0);
-    within(Duration::from_secs(10), "transfers recover after link up", || {
-        let (decode, ds, ops) = (p.decode.clone(), ds.clone(), ops.clone());
-        async move { decode.read(&ds, "prefill-0", ps.key, &ops).await.is_ok() }
-    })
+    within(
+        Duration::from_secs(10),
+        "transfers recover after link up",
+        || {
+            let (decode, ds, ops) = (p.decode.clone(), ds.clone(), ops.clone());
+            async move { decode.read(&ds, "prefill-0", ps.key, &ops).await.is_ok() }
+        },
+    )
     .await;
     assert_eq!(first_mismatch(&ops, &dst, &src), None);
 }
@@ -184,8 +223,14 @@ async fn a_cut_link_fails_batches_then_recovers_when_restored() {
 async fn a_dead_agents_segments_leave_the_registry_after_its_ttl() {
     let Some(mut p) = pair().await else { return };
     let src = random_memory(16 * BLOCK, 7);
-    p.prefill.register("prefill-0", &[&src], None).await.unwrap();
-    within(Duration::from_secs(5), "segment visible", || sees(&p.decode, "prefill-0")).await;
+    p.prefill
+        .register("prefill-0", &[&src], None)
+        .await
+        .unwrap();
+    within(Duration::from_secs(5), "segment visible", || {
+        sees(&p.decode, "prefill-0")
+    })
+    .await;
     p.a.kill9();
     let gone = within(
         Duration::from_secs(TTL_SECS * 3),
@@ -196,6 +241,10 @@ async fn a_dead_agents_segments_leave_the_registry_after_its_ttl() {
     println!("segment of the killed agent gone after {gone:?} (TTL {TTL_SECS} s)");
     assert!(gone <= Duration::from_secs(TTL_SECS + 2), "{gone:?}");
     let status = p.decode.status().await.unwrap();
-    assert!(status.agents.iter().all(|a| a.name != "prefill-node"), "{:?}", status.agents);
+    assert!(
+        status.agents.iter().all(|a| a.name != "prefill-node"),
+        "{:?}",
+        status.agents
+    );
     let _ = &p.b;
 }

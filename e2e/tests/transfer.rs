@@ -33,9 +33,11 @@ async fn decode_pulls_prefill_blocks_across_namespaces_through_etcd() {
     let dst = random_memory(blocks * BLOCK, 12);
     let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
     let d = decode.register("decode-0", &[&dst], None).await.unwrap();
-    within(Duration::from_secs(5), "decode agent sees prefill-0", || {
-        sees(&decode, "prefill-0")
-    })
+    within(
+        Duration::from_secs(5),
+        "decode agent sees prefill-0",
+        || sees(&decode, "prefill-0"),
+    )
     .await;
 
     let ops = scattered(128, BLOCK, blocks);
@@ -70,8 +72,19 @@ async fn decode_pulls_prefill_blocks_across_namespaces_through_etcd() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-    for needle in ["prefill-node", "decode-node", "prefill-0", "decode-0", "tcp", "etcd"] {
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "prefill-node",
+        "decode-node",
+        "prefill-0",
+        "decode-0",
+        "tcp",
+        "etcd",
+    ] {
         assert!(text.contains(needle), "status lacks {needle}:\n{text}");
     }
 
@@ -80,7 +93,10 @@ async fn decode_pulls_prefill_blocks_across_namespaces_through_etcd() {
     assert_eq!(a.terminate(), Some(0), "{}", a.log());
     let mut kv = etcd.client().await.unwrap();
     let left = kv
-        .get("/kvfabric/e2e/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .get(
+            "/kvfabric/e2e/",
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
         .await
         .unwrap();
     assert_eq!(left.kvs().len(), 0, "keys left after graceful stop");
@@ -92,9 +108,16 @@ async fn the_peer_api_refuses_strangers_and_garbage_and_keeps_serving() {
     let Some(etcd) = etcd_on(net.gateway).await else {
         return;
     };
-    let a = AgentProcess::spawn("node-a", &net.hosts[0], &etcd.endpoint(), &["--transports", "tcp"]);
+    let a = AgentProcess::spawn(
+        "node-a",
+        &net.hosts[0],
+        &etcd.endpoint(),
+        &["--transports", "tcp"],
+    );
     let peer = a.ready.peer;
-    let mut grpc = PeerAgentClient::connect(format!("http://{peer}")).await.unwrap();
+    let mut grpc = PeerAgentClient::connect(format!("http://{peer}"))
+        .await
+        .unwrap();
     let s = grpc
         .handshake(HandshakeRequest {
             fabric: "another-fabric".into(),
@@ -117,8 +140,8 @@ async fn the_peer_api_refuses_strangers_and_garbage_and_keeps_serving() {
     // Garbage on the fd socket.
     {
         use std::io::Write;
-        let mut s = std::os::unix::net::UnixStream::connect(a.socket_dir().join("agent.fd.sock"))
-            .unwrap();
+        let mut s =
+            std::os::unix::net::UnixStream::connect(a.socket_dir().join("agent.fd.sock")).unwrap();
         let _ = s.write_all(b"not a memfd request");
     }
     let ok = grpc

@@ -16,10 +16,14 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
 use crate::discovery::Devices;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
+pub mod bench;
 pub mod etcd;
 pub mod memory;
+
+pub use etcd::{EtcdConfig, EtcdRegistry, EtcdTls};
+pub use memory::{MemoryRegistry, MemoryStore};
 
 /// What an agent publishes about itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -114,3 +118,24 @@ pub trait Registry: Send + Sync + fmt::Debug {
 }
 
 pub type SharedRegistry = Arc<dyn Registry>;
+
+/// The registry an agent runs with: etcd when a configuration is given, otherwise an in-memory
+/// registry of its own (a single agent, or tests).
+pub async fn open(etcd: Option<EtcdConfig>) -> Result<SharedRegistry> {
+    Ok(match etcd {
+        Some(cfg) => EtcdRegistry::connect(cfg).await?,
+        None => MemoryRegistry::standalone(),
+    })
+}
+
+/// Names become the last part of a key: non-empty, printable.
+pub(crate) fn check_name(field: &'static str, name: &str) -> Result<()> {
+    if name.is_empty() || name.chars().any(char::is_control) {
+        return Err(Error::config(
+            field,
+            name,
+            "must be non-empty, without control characters",
+        ));
+    }
+    Ok(())
+}
