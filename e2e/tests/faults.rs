@@ -158,9 +158,39 @@ async fn etcd_down_keeps_transfers_going_and_agents_re_register_within_a_ttl() {
         back.elapsed() <= Duration::from_secs(TTL_SECS) + Duration::from_millis(500),
         "re-registration took {took:?}, more than one TTL"
     );
+    // etcd restores leases from its data dir (with a fresh TTL), so the keys above survived.
+    // Now lose etcd's data too: every lease is gone and the agents must notice and re-register.
+    p.etcd.stop().await.unwrap();
+    std::fs::remove_dir_all(p.etcd.data_dir()).unwrap();
+    p.etcd.start_again().await.unwrap();
+    let back = Instant::now();
+    let took = within(
+        Duration::from_secs(TTL_SECS * 3),
+        "both agents and segments re-registered in a wiped etcd",
+        || {
+            let mut kv = kv.clone();
+            async move {
+                kv.get(
+                    "/kvfabric/e2e/",
+                    Some(
+                        etcd_client::GetOptions::new()
+                            .with_prefix()
+                            .with_keys_only(),
+                    ),
+                )
+                .await
+                .is_ok_and(|r| r.kvs().len() == 4)
+            }
+        },
+    )
+    .await;
+    println!("re-registered {took:?} after a wiped etcd came back (TTL {TTL_SECS} s)");
+    assert!(
+        back.elapsed() <= Duration::from_secs(TTL_SECS) + Duration::from_millis(500),
+        "re-registration took {took:?}, more than one TTL"
+    );
     let state = p.decode.status().await.unwrap().registry;
     assert!(state.reregistrations >= 1, "{state:?}");
-    let _ = kv.status().await;
     p.decode.read(&ds, "prefill-0", ps.key, &ops).await.unwrap();
 }
 
