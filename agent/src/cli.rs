@@ -34,6 +34,9 @@ pub enum Command {
     Agent(AgentArgs),
     /// Agents, segments and open connections, from the local agent and its registry.
     Status(StatusArgs),
+    /// Registry at scale against one real etcd: simulated agents and segments, lookup latency
+    /// from the watch cache, and how fast a new segment reaches every watcher.
+    RegistryBench(RegistryBenchArgs),
     /// Check the GPU copy paths: random sizes at unaligned offsets, both directions, sm and ce,
     /// every byte compared with the same copies done on the host.
     GpuSelftest(SelftestArgs),
@@ -314,6 +317,27 @@ pub struct StatusArgs {
     pub socket_dir: PathBuf,
 
     /// The status document as JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvfabric registry-bench`.
+#[derive(Debug, Clone, Args)]
+pub struct RegistryBenchArgs {
+    /// etcd to load (default: start a private etcd from the `etcd` binary on a free port).
+    #[arg(long, env = "KVFABRIC_ETCD_ENDPOINT")]
+    pub etcd_endpoint: Option<String>,
+    #[arg(long, default_value_t = 1000)]
+    pub agents: usize,
+    #[arg(long, default_value_t = 10_000)]
+    pub segments: usize,
+    /// Watch caches, each reading the whole fabric and then following it.
+    #[arg(long, default_value_t = 8)]
+    pub watchers: usize,
+    /// Segments put one at a time to time their visibility at every watcher.
+    #[arg(long, default_value_t = 200)]
+    pub new_segments: usize,
+    /// The report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }

@@ -42,6 +42,7 @@ fn main() -> ExitCode {
                 kvfabric_agent::server::run(args, kvfabric_agent::shutdown::signal()).await
             }
             Command::Status(args) => kvfabric_agent::status::show(args).await,
+            Command::RegistryBench(args) => kvfabric_agent::registry::bench::main(args).await,
             Command::GpuSelftest(args) => {
                 tokio::task::spawn_blocking(move || kvfabric_agent::bench::selftest(args))
                     .await

@@ -420,3 +420,79 @@ mod tests {
         assert_eq!(Latency::of(Vec::new()).count, 0);
     }
 }
+
+/// `kvfabric registry-bench`: runs against the given etcd or a private one, prints a table with
+/// the targets (lookup p99 ≤ 1 ms, visibility p99 ≤ 100 ms).
+pub async fn main(args: crate::cli::RegistryBenchArgs) -> Result<()> {
+    let mut private = None;
+    let endpoint = match args.etcd_endpoint.clone() {
+        Some(e) => e,
+        None => {
+            let server = crate::testkit::EtcdServer::start().await?;
+            let e = server.endpoint();
+            private = Some(server);
+            e
+        }
+    };
+    eprintln!(
+        "registry bench: {} agents, {} segments, {} watchers against {endpoint}{}",
+        args.agents,
+        args.segments,
+        args.watchers,
+        if private.is_some() { " (private etcd)" } else { "" }
+    );
+    let report = run(RegistryBenchConfig {
+        endpoint,
+        agents: args.agents,
+        segments: args.segments,
+        watchers: args.watchers,
+        new_segments: args.new_segments,
+        ..RegistryBenchConfig::default()
+    })
+    .await?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| Error::io("report", e.into()))?
+        );
+    } else {
+        let mut t = comfy_table::Table::new();
+        t.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
+        t.set_header(["measure", "count", "p50", "p99", "max", "target", "met"]);
+        let row = |t: &mut comfy_table::Table, name: &str, l: &Latency, target: Option<f64>| {
+            let ms = |us: f64| format!("{:.3} ms", us / 1000.0);
+            t.add_row(vec![
+                name.to_string(),
+                l.count.to_string(),
+                ms(l.p50_us),
+                ms(l.p99_us),
+                ms(l.max_us),
+                target.map_or("-".into(), |x| format!("p99 ≤ {} ms", x / 1000.0)),
+                target.map_or("-".into(), |x| {
+                    if l.p99_us <= x { "yes" } else { "NO" }.to_string()
+                }),
+            ]);
+        };
+        row(&mut t, "lookup (watch cache)", &report.lookup, Some(1_000.0));
+        row(&mut t, "new segment visible at every watcher", &report.visibility, Some(100_000.0));
+        row(&mut t, "  same, from the put's ack", &report.visibility_after_ack, None);
+        row(&mut t, "segment put (ack)", &report.put, None);
+        println!("{t}");
+        println!(
+            "setup: {} agents in {:.1} s, {} segments in {:.1} s ({:.0} puts/s), {} watchers \
+             loaded in {:.1} s; misses {}, not seen {}; total {:.1} s",
+            report.agents,
+            report.agents_secs,
+            report.segments,
+            report.segments_secs,
+            report.segment_puts_per_sec,
+            report.watchers,
+            report.watchers_start_secs,
+            report.lookup_misses,
+            report.not_seen,
+            report.total_secs
+        );
+    }
+    drop(private);
+    Ok(())
+}
