@@ -161,6 +161,11 @@ pub struct BenchArgs {
     #[arg(long, env = "KVFABRIC_SEGMENT_KEY")]
     pub key: Option<u64>,
 
+    /// Compare engine-to-engine pulls with the same pulls through two agents (worker → local
+    /// agent → peer agent → worker memory) over tcp on loopback.
+    #[arg(long, conflicts_with_all = ["serve", "connect"])]
+    pub through_agent: bool,
+
     /// Skip the single-block latency row of the default run.
     #[arg(long)]
     pub no_latency: bool,

@@ -53,6 +53,10 @@ impl HostMemory {
     pub fn len(&self) -> u64 {
         self.0.len()
     }
+    /// The memfd, to hand to an agent or engine directly.
+    pub fn memfd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.0.memfd()
+    }
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }

@@ -347,12 +347,18 @@ impl Node {
         unpublished
     }
 
-    /// Unpublishes every segment (graceful shutdown).
-    pub async fn deregister_all(&self) {
-        for s in self.local_segments() {
-            if let Err(e) = self.deregister(&s.name, s.key.0).await {
-                warn!(segment = %s.name, error = %e, "deregister at shutdown");
-            }
+    /// Releases every segment's memory once no transfer uses it (graceful shutdown; the
+    /// registry shutdown has already deleted the keys).
+    pub async fn release_all(&self) {
+        let all: Vec<_> = self
+            .segments
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, s)| s)
+            .collect();
+        for s in all {
+            self.drop_regions(&s.regions).await;
         }
     }
 

@@ -105,7 +105,13 @@ pub async fn run(args: AgentArgs, shutdown: impl Future<Output = ()>) -> Result<
         config.auth = auth;
         EtcdRegistry::connect(config).await?
     };
-    serve(&args, listeners, registry, shutdown).await
+    let print = |ready: &Ready| {
+        // The parent process (or a person) reads this line to learn the bound ports.
+        if let Ok(line) = serde_json::to_string(ready) {
+            println!("{line}");
+        }
+    };
+    serve(&args, listeners, registry, print, shutdown).await
 }
 
 fn validate(args: &AgentArgs) -> Result<()> {
@@ -152,6 +158,7 @@ pub async fn serve(
     args: &AgentArgs,
     listeners: Listeners,
     registry: SharedRegistry,
+    on_ready: impl FnOnce(&Ready),
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     let name = agent_name(args);
@@ -272,10 +279,7 @@ pub async fn serve(
         socket_dir: listeners.socket_dir.clone(),
         registry: registry.state().backend,
     };
-    println!(
-        "{}",
-        serde_json::to_string(&ready).map_err(|e| Error::io("ready line", e.into()))?
-    );
+    on_ready(&ready);
     info!(agent = %name, %peer_addr, data = %ready.data, "agent serving");
 
     shutdown.await;
@@ -292,7 +296,7 @@ pub async fn serve(
             let _ = t.await;
         }
         let _ = fd_task.await;
-        node.deregister_all().await;
+        node.release_all().await;
     };
     if tokio::time::timeout(grace, drain).await.is_err() {
         warn!(

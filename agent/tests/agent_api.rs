@@ -55,7 +55,7 @@ impl TestAgent {
         let registry: SharedRegistry = store.registry();
         let (stop, mut rx) = watch::channel(false);
         let task = tokio::spawn(async move {
-            serve(&args, listeners, registry, async move {
+            serve(&args, listeners, registry, |_| {}, async move {
                 let _ = rx.wait_for(|s| *s).await;
             })
             .await

@@ -9,6 +9,7 @@ mod report;
 mod scatter;
 mod server;
 mod stats;
+mod through_agent;
 
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -36,6 +37,22 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     let layout = Layout {
         args: args.layout.clone(),
     };
+    if args.through_agent {
+        let block = args.block_size.unwrap_or_else(|| layout.block_bytes());
+        let per_batch = args
+            .blocks_per_batch
+            .unwrap_or(layout.ops_per_request() as usize);
+        let report = through_agent::run(&args, block, per_batch).await?;
+        if args.json {
+            println!(
+                "{}",
+                serde_json::to_string(&report).map_err(|e| Error::io("report", e.into()))?
+            );
+        } else {
+            println!("{}", through_agent::table(&report));
+        }
+        return Ok(());
+    }
     let plans = plans(&args, &layout);
     for p in &plans {
         p.validate()?;

@@ -439,7 +439,11 @@ pub async fn main(args: crate::cli::RegistryBenchArgs) -> Result<()> {
         args.agents,
         args.segments,
         args.watchers,
-        if private.is_some() { " (private etcd)" } else { "" }
+        if private.is_some() {
+            " (private etcd)"
+        } else {
+            ""
+        }
     );
     let report = run(RegistryBenchConfig {
         endpoint,
@@ -473,9 +477,24 @@ pub async fn main(args: crate::cli::RegistryBenchArgs) -> Result<()> {
                 }),
             ]);
         };
-        row(&mut t, "lookup (watch cache)", &report.lookup, Some(1_000.0));
-        row(&mut t, "new segment visible at every watcher", &report.visibility, Some(100_000.0));
-        row(&mut t, "  same, from the put's ack", &report.visibility_after_ack, None);
+        row(
+            &mut t,
+            "lookup (watch cache)",
+            &report.lookup,
+            Some(1_000.0),
+        );
+        row(
+            &mut t,
+            "new segment visible at every watcher",
+            &report.visibility,
+            Some(100_000.0),
+        );
+        row(
+            &mut t,
+            "  same, from the put's ack",
+            &report.visibility_after_ack,
+            None,
+        );
         row(&mut t, "segment put (ack)", &report.put, None);
         println!("{t}");
         println!(
