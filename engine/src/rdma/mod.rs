@@ -15,6 +15,8 @@ pub mod retry;
 pub mod select;
 pub mod sysfs;
 pub mod topology;
+#[cfg(feature = "rdma")]
+pub mod verbs;
 
 pub use allocation::Allocation;
 pub use credits::SendQueue;
