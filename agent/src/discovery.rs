@@ -377,6 +377,7 @@ mod tests {
     #[test]
     fn discovering_this_machine_never_panics() {
         let d = discover();
+        println!("{}", serde_json::to_string_pretty(&d).unwrap());
         if d.gpus.is_empty() {
             assert!(
                 d.notes

@@ -22,6 +22,8 @@ pub use engine::{Engine, EngineConfig, Peer};
 pub use error::{Error, RemoteError, Result, Side};
 pub use op::{BlockOp, Coalesced, Opcode, coalesce, validate};
 pub use region::{AccessKey, Location, RawRange, Region, RegionId};
-pub use segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor, local_node_id};
+pub use segment::{
+    DESCRIPTOR_VERSION, Endpoints, RdmaKey, RegionDesc, SegmentDescriptor, local_node_id,
+};
 pub use transport::select::{Preference, Selection};
 pub use transport::{TransportKind, TransportStats};

@@ -33,6 +33,19 @@ pub struct RegionDesc {
     /// A GPU region's CUDA IPC export, so a process on the same node can map it (cuda-ipc).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ipc: Option<CudaExport>,
+    /// The region's RDMA registrations, one per NIC it is registered with, so a peer can READ
+    /// or WRITE it one-sidedly (rdma).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rdma: Vec<RdmaKey>,
+}
+
+/// What a peer needs to reach a region through one NIC: the address the registration covers
+/// from (the virtual address, or the IOVA of a dma-buf registration) and the rkey.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaKey {
+    pub nic: String,
+    pub addr: u64,
+    pub rkey: u32,
 }
 
 impl RegionDesc {
@@ -44,6 +57,7 @@ impl RegionDesc {
             key: region.key(),
             shareable: region.shareable(),
             ipc: region.cuda_export(),
+            rdma: Vec::new(),
         }
     }
 }
@@ -109,6 +123,11 @@ mod tests {
                     handle: crate::cuda::IpcHandle([9; 64]),
                     offset: 64,
                 }),
+                rdma: vec![RdmaKey {
+                    nic: "mlx5_0".into(),
+                    addr: 0x7f00_0000_0000,
+                    rkey: 0x1234,
+                }],
             }],
             endpoints: Endpoints {
                 tcp: Some("127.0.0.1:9".parse().unwrap()),

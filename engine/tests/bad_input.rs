@@ -429,6 +429,7 @@ fn fake_target(behaviour: fn(std::net::TcpStream)) -> SegmentDescriptor {
             key: AccessKey(1),
             shareable: false,
             ipc: None,
+            rdma: Vec::new(),
         }],
         endpoints: Endpoints {
             tcp: Some(addr),

@@ -43,6 +43,28 @@ fn without_a_driver_gpu_calls_are_typed_errors_not_panics() {
 }
 
 #[test]
+fn devices_lists_every_gpu_with_its_bus_id_and_memory() {
+    match cuda::devices() {
+        Err(Error::NoCudaDriver { reason }) => {
+            println!("skipped: no CUDA device ({reason})");
+        }
+        Err(other) => panic!("expected a list or NoCudaDriver, got {other}"),
+        Ok(list) => {
+            assert_eq!(list.len() as u32, cuda::device_count().unwrap());
+            for (i, g) in list.iter().enumerate() {
+                assert_eq!(g.ordinal, i as u32);
+                assert!(!g.name.is_empty(), "{g:?}");
+                assert!(g.memory_bytes > 0, "{g:?}");
+                // "00000000:3B:00.0": domain, bus, device.function.
+                assert_eq!(g.pci_bus_id.matches(':').count(), 2, "{g:?}");
+                assert!(g.pci_bus_id.contains('.'), "{g:?}");
+                println!("{g:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn a_region_on_a_device_that_does_not_exist_is_refused() {
     let engine = Engine::new(common::config("no-device")).unwrap();
     let err = engine.alloc_cuda(977, 4096).unwrap_err();
@@ -118,6 +140,7 @@ async fn gpu_memory_over_tcp_without_staging_is_a_typed_error() {
         key: d.regions[0].key,
         shareable: false,
         ipc: None,
+        rdma: Vec::new(),
     });
     peer.set_descriptor(d);
     let op = |remote| BlockOp {
@@ -167,6 +190,7 @@ async fn a_garbage_ipc_handle_is_a_typed_error() {
             handle: IpcHandle([0x5a; 64]),
             offset: 0,
         }),
+        rdma: Vec::new(),
     }];
     let peer = engine
         .connect(&d, Preference::Only(TransportKind::CudaIpc), None)

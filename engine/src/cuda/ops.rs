@@ -20,6 +20,59 @@ pub fn device_count() -> Result<u32> {
     Ok(driver::driver()?.devices.len() as u32)
 }
 
+/// A dma-buf for the device memory `[ptr, ptr + len)` on `device`, so an RDMA device can
+/// register it (`ibv_reg_dmabuf_mr`) without the nvidia-peermem module. The buffer covers the
+/// page-aligned span around the range; the second value is `ptr`'s offset inside it.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) fn dmabuf(device: u32, ptr: u64, len: u64) -> Result<(std::os::fd::OwnedFd, u64)> {
+    use std::os::fd::FromRawFd;
+    let dev = driver::device(device)?;
+    dev.bind()?;
+    let mut handle = 0;
+    // SAFETY: a valid out-pointer; the ordinal exists (device() checked it).
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut handle, device as i32)
+    })?;
+    let mut supported = 0;
+    // SAFETY: as above.
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut supported,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+            handle,
+        )
+    })?;
+    if supported == 0 {
+        return Err(Error::Cuda {
+            call: "cuMemGetHandleForAddressRange",
+            code: format!("cuda:{device} does not support dma-buf export"),
+        });
+    }
+    let page = rustix::param::page_size() as u64;
+    let base = ptr & !(page - 1);
+    let end = (ptr + len).div_ceil(page) * page;
+    let mut fd: i32 = -1;
+    // SAFETY: `fd` receives an int as the driver documents for DMA_BUF_FD; the range was
+    // registered with the engine, so it is device memory of this context.
+    check("cuMemGetHandleForAddressRange", unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            (&mut fd as *mut i32).cast(),
+            base,
+            (end - base) as usize,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    })?;
+    if fd < 0 {
+        return Err(Error::Cuda {
+            call: "cuMemGetHandleForAddressRange",
+            code: format!("returned fd {fd}"),
+        });
+    }
+    // SAFETY: the driver just opened this fd for us; nothing else owns it.
+    Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, ptr - base))
+}
+
 /// Every GPU the driver sees: name, PCI bus id and memory, for discovery and topology.
 pub fn devices() -> Result<Vec<super::CudaDeviceInfo>> {
     let d = driver::driver()?;

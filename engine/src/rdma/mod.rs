@@ -7,13 +7,23 @@
 //! feature `rdma`) is the part that talks to a device.
 
 pub mod allocation;
+pub mod credits;
+pub mod handshake;
 pub mod mtu;
+pub mod plan;
+pub mod retry;
 pub mod select;
 pub mod sysfs;
 pub mod topology;
+#[cfg(feature = "rdma")]
+pub mod verbs;
 
 pub use allocation::Allocation;
+pub use credits::SendQueue;
+pub use handshake::{ConnectInfo, QpInfo, QpParams, Route};
 pub use mtu::Mtu;
+pub use plan::{Lane, Plan, PlanConfig};
+pub use retry::{Decision, PeerHealth, RetryPolicy, WcStatus};
 pub use select::{DeviceFilter, GidChoice, UsablePort};
 pub use sysfs::{Gid, GidEntry, GidKind, LinkLayer, Nic, PciPath, Port, PortState};
 pub use topology::{MemoryPlace, NicChoice, NicPlace};

@@ -134,9 +134,54 @@ pub fn choose_nics(nics: &[NicPlace], mem: &MemoryPlace) -> Option<NicChoice> {
     })
 }
 
+/// The CPUs of a kernel cpulist (`0-3,8,10-11`), sorted, for pinning the completion poller
+/// to the NIC's NUMA node. None for text that is not a cpulist.
+pub fn parse_cpulist(text: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+                if a > b || b - a > 65536 {
+                    return None;
+                }
+                cpus.extend(a..=b);
+            }
+            None => cpus.push(part.trim().parse().ok()?),
+        }
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    Some(cpus)
+}
+
+/// The CPUs of NUMA node `node` under `root` (`sys/devices/system/node/node<N>/cpulist`).
+pub fn numa_cpus(root: &std::path::Path, node: u32) -> Option<Vec<usize>> {
+    let path = root.join(format!("sys/devices/system/node/node{node}/cpulist"));
+    parse_cpulist(&std::fs::read_to_string(path).ok()?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpulists_parse_ranges_and_singles() {
+        assert_eq!(
+            parse_cpulist("0-3,8,10-11\n").unwrap(),
+            [0, 1, 2, 3, 8, 10, 11]
+        );
+        assert_eq!(parse_cpulist("5").unwrap(), [5]);
+        assert_eq!(parse_cpulist("").unwrap(), Vec::<usize>::new());
+        assert_eq!(parse_cpulist("3-1"), None);
+        assert_eq!(parse_cpulist("a-b"), None);
+        assert_eq!(parse_cpulist("0-99999999"), None);
+        let dir = tempfile::tempdir().unwrap();
+        let fs = super::super::sysfs::fixture::FakeSysfs::new(dir.path());
+        fs.numa_node(1, "24-25,72");
+        assert_eq!(numa_cpus(dir.path(), 1).unwrap(), [24, 25, 72]);
+        assert_eq!(numa_cpus(dir.path(), 0), None);
+    }
 
     fn path(p: &[&str]) -> Option<PciPath> {
         Some(PciPath(p.iter().map(|s| s.to_string()).collect()))

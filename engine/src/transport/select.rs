@@ -165,6 +165,7 @@ mod tests {
                 key: AccessKey(1),
                 shareable,
                 ipc: None,
+                rdma: Vec::new(),
             }],
             endpoints: Endpoints {
                 tcp: Some("127.0.0.1:1".parse().unwrap()),
