@@ -67,7 +67,9 @@ pub(crate) struct Piece {
     pub remote: Entry,
     /// Index of the caller's op this piece starts at, for error messages.
     pub op: usize,
-    /// Where the local bytes live (a GPU piece's `local` holds a device address).
+    /// Where the local bytes live (a GPU piece's `local` holds a device address); read only by
+    /// the GPU paths.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub location: Location,
 }
 
