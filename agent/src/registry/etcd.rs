@@ -16,7 +16,8 @@
 //!   cancellation or compaction it re-reads everything (a resync, broadcast as
 //!   [`Event::Resynced`]) and watches again. Lookups only ever read the cache.
 //!
-//! Writes go to etcd and are remembered (for re-registration and for the lease-bound cleanup);
+//! Writes go to etcd and are remembered (for re-registration, and for a write that failed while
+//! etcd was unreachable: the keeper publishes it once keepalives succeed again);
 //! they return once the entry is in this registry's own cache (read-your-writes), or after one
 //! request timeout if the watch lags.
 //!
@@ -317,6 +318,8 @@ struct Inner {
     /// A lease a write found gone ("lease not found"), for the keeper.
     lost_lease: AtomicI64,
     lease_lost: Notify,
+    /// A write failed while etcd was unreachable: what is owned must be put again.
+    unpublished: AtomicBool,
     status: Mutex<Status>,
 }
 
@@ -381,6 +384,7 @@ impl EtcdRegistry {
             granted_ttl: AtomicI64::new(0),
             lost_lease: AtomicI64::new(0),
             lease_lost: Notify::new(),
+            unpublished: AtomicBool::new(false),
             status: Mutex::new(Status::default()),
         });
         let mut tasks = Vec::new();
@@ -464,8 +468,9 @@ impl Registry for EtcdRegistry {
     }
 
     /// On [`Error::RegistryUnavailable`] (etcd down, no lease at the moment, lease just lost)
-    /// the entry is still remembered: it is published as soon as a lease is (re-)established,
-    /// and `shutdown` removes it. On any other error it is forgotten.
+    /// the entry is still remembered: it is published as soon as etcd answers again (under the
+    /// same lease if it survived, else by the re-registration), and `shutdown` removes it. On
+    /// any other error it is forgotten.
     async fn put_segment(&self, entry: SegmentEntry) -> Result<()> {
         check_name("segment.name", &entry.name)?;
         self.check_open("put segment")?;
@@ -687,7 +692,13 @@ impl Inner {
                     ),
                 ))
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                if matches!(e, Error::RegistryUnavailable { .. }) {
+                    // Remembered by the caller: published once etcd answers again.
+                    self.unpublished.store(true, Ordering::SeqCst);
+                }
+                Err(e)
+            }
         }
     }
 
@@ -772,6 +783,42 @@ impl Inner {
         let (lease, ttl) = self.grant().await?;
         let owned = self.owned.lock().await;
         self.lease.store(lease, Ordering::SeqCst);
+        self.unpublished.store(false, Ordering::SeqCst);
+        if let Err(e) = self.put_all(&owned, lease, "re-register").await {
+            self.lease.store(0, Ordering::SeqCst);
+            drop(owned);
+            let mut client = self.client.lease_client();
+            let _ = tokio::time::timeout(self.request_timeout, client.revoke(lease)).await;
+            return Err(e);
+        }
+        Ok((lease, ttl))
+    }
+
+    /// Publishes what writes failed to publish while the lease lived on (etcd was briefly
+    /// unreachable), by re-putting everything owned under the same lease.
+    async fn republish(self: Arc<Self>, lease: i64) {
+        let owned = self.owned.lock().await;
+        if self.lease.load(Ordering::SeqCst) != lease {
+            return; // a re-registration or the shutdown took over
+        }
+        match self
+            .put_all(&owned, lease, "publish remembered entries")
+            .await
+        {
+            Ok(()) => {
+                tracing::info!("registry published the entries remembered while etcd was away")
+            }
+            Err(e) => {
+                self.unpublished.store(true, Ordering::SeqCst);
+                if is_lease_not_found(&e) {
+                    self.report_lost(lease);
+                }
+            }
+        }
+    }
+
+    /// Puts every entry in `owned` under `lease`, in transactions of `TXN_OPS`.
+    async fn put_all(&self, owned: &Owned, lease: i64, op: &str) -> Result<()> {
         let mut puts = Vec::new();
         if let Some(agent) = &owned.agent {
             puts.push((self.agent_key(&agent.name), to_json(agent)?));
@@ -791,22 +838,21 @@ impl Inner {
                 })
                 .collect();
             let mut kv = self.client.kv_client();
-            if let Err(e) = self
-                .call("re-register", kv.txn(Txn::new().and_then(ops)))
-                .await
-            {
-                self.lease.store(0, Ordering::SeqCst);
-                drop(owned);
-                let mut client = self.client.lease_client();
-                let _ = tokio::time::timeout(self.request_timeout, client.revoke(lease)).await;
-                return Err(e);
-            }
+            self.call(op, kv.txn(Txn::new().and_then(ops))).await?;
         }
-        Ok((lease, ttl))
+        Ok(())
+    }
+
+    /// After a keepalive succeeded: publishes what failed to publish meanwhile, off the
+    /// keepalive loop (keepalives go on while it runs).
+    fn publish_if_needed(self: &Arc<Self>, lease: i64) {
+        if self.unpublished.swap(false, Ordering::SeqCst) {
+            tokio::spawn(self.clone().republish(lease));
+        }
     }
 
     /// Keeps `lease` alive until it is lost.
-    async fn keep_alive(&self, lease: i64, ttl: i64) -> KeepAlive {
+    async fn keep_alive(self: &Arc<Self>, lease: i64, ttl: i64) -> KeepAlive {
         let ttl = Duration::from_secs(ttl.max(1) as u64);
         let period = (ttl / 3).max(Duration::from_millis(100));
         let mut last_ok = Instant::now();
@@ -833,6 +879,7 @@ impl Inner {
             };
             last_ok = Instant::now();
             backoff.reset();
+            self.publish_if_needed(lease);
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             tick.tick().await; // the first tick is immediate; the open just renewed the lease
@@ -859,6 +906,7 @@ impl Inner {
                         Ok(Some(_)) => {
                             last_ok = Instant::now();
                             self.ok();
+                            self.publish_if_needed(lease);
                         }
                         Ok(None) => {
                             self.failed(&self.unavailable("lease keepalive", "stream closed"));
