@@ -9,7 +9,8 @@ use kvfabric_agent::Error;
 use kvfabric_agent::discovery::Devices;
 use kvfabric_agent::registry::bench::{self, RegistryBenchConfig};
 use kvfabric_agent::registry::{
-    AgentEntry, EtcdConfig, EtcdRegistry, Event, MemoryStore, Registry, SegmentEntry, SegmentRegion,
+    AgentEntry, EtcdConfig, EtcdRegistry, EtcdTls, Event, MemoryStore, Registry, SegmentEntry,
+    SegmentRegion,
 };
 use kvfabric_agent::testkit::EtcdServer;
 use kvfabric_engine::{Location, RegionId};
@@ -420,6 +421,48 @@ async fn etcd_credentials_are_checked() {
 }
 
 #[tokio::test]
+async fn etcd_over_tls_with_a_client_certificate() {
+    let etcd = match EtcdServer::start_tls().await {
+        Ok(etcd) => etcd,
+        Err(e @ Error::EtcdNotFound { .. }) => return eprintln!("skipped: no etcd binary ({e})"),
+        Err(e) => panic!("etcd with TLS did not start: {e}"),
+    };
+    assert!(etcd.endpoint().starts_with("https://"));
+    let mut cfg = config(&etcd, "f");
+    cfg.tls = Some(EtcdTls::from_dir(etcd.client_tls_dir()).unwrap());
+    let a = EtcdRegistry::connect(cfg.clone()).await.unwrap();
+    a.register_agent(agent("a")).await.unwrap();
+    a.put_segment(segment("s1", "a")).await.unwrap();
+    assert_eq!(a.segment("s1"), Some(segment("s1", "a")));
+    a.shutdown().await.unwrap();
+
+    // The server requires a client certificate: the CA alone is not enough.
+    let mut ca_only = cfg.clone();
+    ca_only.tls = Some(EtcdTls {
+        cert: None,
+        key: None,
+        ..cfg.tls.clone().unwrap()
+    });
+    let err = EtcdRegistry::connect(ca_only).await.unwrap_err();
+    eprintln!("without a client certificate: {err}");
+
+    // Plain http towards a TLS configuration is refused before connecting.
+    let mut plain = cfg;
+    plain.endpoints = vec![etcd.endpoint().replace("https://", "http://")];
+    let err = EtcdRegistry::connect(plain).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Config {
+                field: "etcd.endpoints",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[tokio::test]
 async fn etcd_server_start_on_an_explicit_ip_and_kill() {
     let Ok(mut etcd) = EtcdServer::start_on("127.0.0.1".parse().unwrap()).await else {
         eprintln!("skipped: no etcd binary");
@@ -471,5 +514,27 @@ async fn registry_bench_at_tiny_scale() {
     assert_eq!(left.count(), 0);
 }
 
+/// The full-scale run (1000 agents, 10 000 segments, 8 watchers); slow, so on request:
+/// `cargo test -p kvfabric-agent --release --test registry -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "full scale: minutes"]
+async fn registry_bench_full_scale() {
+    let Some(etcd) = etcd().await else { return };
+    let started = Instant::now();
+    let report = bench::run(RegistryBenchConfig {
+        endpoint: etcd.endpoint(),
+        ..RegistryBenchConfig::default()
+    })
+    .await
+    .unwrap();
+    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+    println!("full-scale run took {:?}", started.elapsed());
+    assert_eq!(report.lookup_misses, 0);
+    assert_eq!(report.not_seen, 0);
+}
+
+/// Both backends are usable as the agent's shared registry.
 #[allow(dead_code)]
-fn assert_shared(_: Arc<dyn Registry>) {}
+fn shared(etcd: Arc<EtcdRegistry>, memory: Arc<kvfabric_agent::registry::MemoryRegistry>) {
+    let _: Vec<Arc<dyn Registry>> = vec![etcd, memory];
+}

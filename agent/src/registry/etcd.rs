@@ -99,7 +99,7 @@ impl EtcdTls {
     }
 
     /// Reads the files (blocking: call off the async threads).
-    fn options(&self) -> Result<TlsOptions> {
+    pub(crate) fn options(&self) -> Result<TlsOptions> {
         let read = |field: &'static str, path: &Path| {
             std::fs::read(path).map_err(|e| Error::config(field, path.display(), e.to_string()))
         };
@@ -359,7 +359,14 @@ impl EtcdRegistry {
     /// `connect_timeout`, rejects the credentials, or the configuration is invalid.
     pub async fn connect(cfg: EtcdConfig) -> Result<Arc<Self>> {
         let client = cfg.client().await?;
-        Self::start(client, &cfg, true).await
+        let registry = Self::start(client, &cfg, true).await?;
+        let state = registry.state();
+        tracing::info!(
+            endpoints = %registry.inner.endpoints_str, root = %registry.inner.root,
+            lease = format!("{:x}", state.lease_id), ttl_secs = state.lease_ttl_secs,
+            agents = state.agents, segments = state.segments, "registry connected to etcd"
+        );
+        Ok(registry)
     }
 
     /// [`EtcdRegistry::connect`] on an existing client (several registries may share one).
@@ -387,17 +394,20 @@ impl EtcdRegistry {
             unpublished: AtomicBool::new(false),
             status: Mutex::new(Status::default()),
         });
-        let mut tasks = Vec::new();
-        if watch {
-            let rev = inner.full_read().await?;
-            let watcher = tokio::spawn(inner.clone().watcher(rev));
-            tasks.push(watcher.abort_handle());
-        }
+        // Nothing is spawned before both requests succeeded.
+        let rev = if watch {
+            Some(inner.full_read().await?)
+        } else {
+            None
+        };
         let (lease, ttl) = inner.grant().await?;
         inner.lease.store(lease, Ordering::SeqCst);
-        let keeper = tokio::spawn(inner.clone().keeper(lease, ttl));
-        tasks.push(keeper.abort_handle());
-        tracing::info!(
+        let mut tasks = Vec::new();
+        if let Some(rev) = rev {
+            tasks.push(tokio::spawn(inner.clone().watcher(rev)).abort_handle());
+        }
+        tasks.push(tokio::spawn(inner.clone().keeper(lease, ttl)).abort_handle());
+        tracing::debug!(
             endpoints = %inner.endpoints_str, root = %inner.root, lease = format!("{lease:x}"),
             ttl_secs = ttl, "registry connected to etcd"
         );
@@ -436,7 +446,7 @@ impl Drop for EtcdRegistry {
 
 #[async_trait]
 impl Registry for EtcdRegistry {
-    /// See [`EtcdRegistry::put_segment`] for what an error means.
+    /// Errors mean what they mean for `put_segment`.
     async fn register_agent(&self, entry: AgentEntry) -> Result<()> {
         check_name("agent.name", &entry.name)?;
         self.check_open("register agent")?;
@@ -746,6 +756,8 @@ impl Inner {
     async fn keeper(self: Arc<Self>, mut lease: i64, mut ttl: i64) {
         loop {
             let KeepAlive::Lost(why) = self.keep_alive(lease, ttl).await;
+            // Writes from now on are remembered for the re-registration, not sent.
+            self.lease.store(0, Ordering::SeqCst);
             tracing::warn!(
                 lease = format!("{lease:x}"),
                 why,
