@@ -39,6 +39,8 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct EtcdServer {
     bin: PathBuf,
+    /// Serves https and requires client certificates (see [`EtcdServer::start_tls`]).
+    tls: bool,
     host: IpAddr,
     client_port: u16,
     peer_port: u16,
@@ -84,6 +86,7 @@ impl EtcdServer {
             .map_err(|e| Error::io("create a data directory for etcd", e))?;
         let mut server = EtcdServer {
             bin,
+            tls: false,
             host: ip,
             client_port,
             peer_port,
@@ -94,9 +97,47 @@ impl EtcdServer {
         Ok(server)
     }
 
-    /// `http://HOST:PORT` for clients.
+    /// Starts etcd on 127.0.0.1 with TLS: https only, client certificates required. The
+    /// certificates (a throwaway CA, a server certificate for 127.0.0.1 and a client one) are
+    /// made with the `openssl` command; [`EtcdServer::client_tls_dir`] holds what a client
+    /// needs in the layout of a Kubernetes TLS secret (`ca.crt`, `tls.crt`, `tls.key`).
+    pub async fn start_tls() -> Result<Self> {
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let bin = Self::binary()?;
+        let (client_port, peer_port) = free_ports(ip)?;
+        let dir = tempfile::Builder::new()
+            .prefix("kvfabric-etcd-")
+            .tempdir()
+            .map_err(|e| Error::io("create a data directory for etcd", e))?;
+        let certs = dir.path().to_path_buf();
+        tokio::task::spawn_blocking(move || make_certificates(&certs, ip))
+            .await
+            .map_err(|e| Error::io("make certificates", std::io::Error::other(e)))??;
+        let mut server = EtcdServer {
+            bin,
+            tls: true,
+            host: ip,
+            client_port,
+            peer_port,
+            dir,
+            child: None,
+        };
+        server.start_again().await?;
+        Ok(server)
+    }
+
+    /// `http://HOST:PORT` (`https://` with TLS) for clients.
     pub fn endpoint(&self) -> String {
-        format!("http://{}", SocketAddr::new(self.host, self.client_port))
+        let scheme = if self.tls { "https" } else { "http" };
+        format!(
+            "{scheme}://{}",
+            SocketAddr::new(self.host, self.client_port)
+        )
+    }
+
+    /// With [`EtcdServer::start_tls`]: `ca.crt`, `tls.crt` and `tls.key` for a client.
+    pub fn client_tls_dir(&self) -> PathBuf {
+        self.dir.path().join("client")
     }
 
     pub fn data_dir(&self) -> PathBuf {
@@ -131,7 +172,19 @@ impl EtcdServer {
         let client_url = self.endpoint();
         let peer_url = format!("http://{}", SocketAddr::new(self.host, self.peer_port));
         let name = "kvfabric-test";
-        let child = Command::new(&self.bin)
+        let mut command = Command::new(&self.bin);
+        if self.tls {
+            let server = self.dir.path().join("server");
+            command
+                .arg("--cert-file")
+                .arg(server.join("tls.crt"))
+                .arg("--key-file")
+                .arg(server.join("tls.key"))
+                .arg("--client-cert-auth")
+                .arg("--trusted-ca-file")
+                .arg(server.join("ca.crt"));
+        }
+        let child = command
             .arg("--name")
             .arg(name)
             .arg("--data-dir")
@@ -191,9 +244,9 @@ impl EtcdServer {
         Ok(())
     }
 
-    /// A plain client of this etcd (no TLS, no credentials).
+    /// A client of this etcd (with the client certificate under TLS; no credentials).
     pub async fn client(&self) -> Result<etcd_client::Client> {
-        etcd_client::Client::connect([self.endpoint()], None)
+        etcd_client::Client::connect([self.endpoint()], self.connect_options()?)
             .await
             .map_err(|e| Error::Registry {
                 op: "connect".into(),
@@ -202,8 +255,17 @@ impl EtcdServer {
             })
     }
 
+    fn connect_options(&self) -> Result<Option<etcd_client::ConnectOptions>> {
+        if !self.tls {
+            return Ok(None);
+        }
+        let tls = crate::registry::EtcdTls::from_dir(self.client_tls_dir())?.options()?;
+        Ok(Some(etcd_client::ConnectOptions::new().with_tls(tls)))
+    }
+
     async fn wait_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
+        let options = self.connect_options()?;
         let mut last = String::from("no answer yet");
         loop {
             if let Some(child) = self.child.as_mut()
@@ -215,7 +277,8 @@ impl EtcdServer {
                 return Err(self.start_error(format!("not ready in {READY_TIMEOUT:?}: {last}")));
             }
             let probe = async {
-                let mut client = etcd_client::Client::connect([self.endpoint()], None).await?;
+                let options = options.clone();
+                let mut client = etcd_client::Client::connect([self.endpoint()], options).await?;
                 client.status().await
             };
             match tokio::time::timeout(Duration::from_secs(1), probe).await {
@@ -274,4 +337,102 @@ fn tail(path: &Path, max: u64) -> String {
     let mut bytes = Vec::new();
     let _ = file.read_to_end(&mut bytes);
     String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// A throwaway CA in `dir`, a server certificate for `ip` in `dir/server` and a client one in
+/// `dir/client`, each directory with `ca.crt`, `tls.crt`, `tls.key` (P-256, one day).
+fn make_certificates(dir: &Path, ip: IpAddr) -> Result<()> {
+    let openssl = |args: &[&str]| -> Result<()> {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| Error::io("run openssl (apt-get install openssl)", e))?;
+        if !out.status.success() {
+            return Err(Error::io(
+                format!("openssl {}", args.join(" ")),
+                std::io::Error::other(String::from_utf8_lossy(&out.stderr).into_owned()),
+            ));
+        }
+        Ok(())
+    };
+    let write = |name: &str, text: &str| {
+        std::fs::write(dir.join(name), text).map_err(|e| Error::io(format!("write {name}"), e))
+    };
+    let key = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &key,
+            &[
+                "-days",
+                "1",
+                "-subj",
+                "/CN=kvfabric-test-ca",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.crt",
+            ],
+            &["-addext", "basicConstraints=critical,CA:TRUE"],
+            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+        ]
+        .concat(),
+    )?;
+    for (who, usage, san) in [
+        ("server", "serverAuth", format!("IP:{ip},DNS:localhost")),
+        ("client", "clientAuth", "DNS:kvfabric-agent".to_string()),
+    ] {
+        let sub = dir.join(who);
+        std::fs::create_dir_all(&sub).map_err(|e| Error::io(format!("create {who}/"), e))?;
+        write(
+            &format!("{who}.ext"),
+            &format!(
+                "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n\
+                 extendedKeyUsage={usage}\nsubjectAltName={san}\n"
+            ),
+        )?;
+        let (crt, key_file) = (format!("{who}/tls.crt"), format!("{who}/tls.key"));
+        openssl(
+            &[
+                &["req"][..],
+                &key,
+                &[
+                    "-subj",
+                    &format!("/CN=kvfabric-test-{who}"),
+                    "-keyout",
+                    &key_file,
+                ],
+                &["-out", &format!("{who}.csr")],
+            ]
+            .concat(),
+        )?;
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{who}.csr"),
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-out",
+            &crt,
+            "-extfile",
+            &format!("{who}.ext"),
+        ])?;
+        std::fs::copy(dir.join("ca.crt"), sub.join("ca.crt"))
+            .map_err(|e| Error::io(format!("copy ca.crt to {who}/"), e))?;
+    }
+    Ok(())
 }

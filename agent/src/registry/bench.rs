@@ -217,11 +217,14 @@ pub async fn run(cfg: RegistryBenchConfig) -> Result<RegistryBenchReport> {
         }
     }
 
-    // Lookups: CPU only, off the async threads.
-    let lookup_jobs = watchers.iter().enumerate().map(|(w, watcher)| {
+    // Lookups: CPU only, off the async threads; one watcher at a time, so that the samples
+    // time the cache rather than threads competing for cores.
+    let mut lookup_samples = Vec::with_capacity(cfg.lookups_per_watcher * watchers.len());
+    let mut lookup_misses = 0;
+    for (w, watcher) in watchers.iter().enumerate() {
         let watcher = watcher.clone();
         let (n, segments, seed) = (cfg.lookups_per_watcher, cfg.segments, cfg.seed + w as u64);
-        tokio::task::spawn_blocking(move || {
+        let job = tokio::task::spawn_blocking(move || {
             let mut rng = SmallRng::seed_from_u64(seed);
             let names: Vec<String> = (0..n)
                 .map(|_| segment_name(rng.random_range(0..segments)))
@@ -235,12 +238,8 @@ pub async fn run(cfg: RegistryBenchConfig) -> Result<RegistryBenchReport> {
                 misses += u64::from(found.is_none());
             }
             (samples, misses)
-        })
-    });
-    let mut lookup_samples = Vec::new();
-    let mut lookup_misses = 0;
-    for job in futures::future::join_all(lookup_jobs).await {
-        let (samples, misses) = job.map_err(|e| Error::Registry {
+        });
+        let (samples, misses) = job.await.map_err(|e| Error::Registry {
             op: "registry bench: lookups".into(),
             endpoints: cfg.endpoint.clone(),
             reason: e.to_string(),

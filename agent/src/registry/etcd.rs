@@ -16,7 +16,8 @@
 //!   cancellation or compaction it re-reads everything (a resync, broadcast as
 //!   [`Event::Resynced`]) and watches again. Lookups only ever read the cache.
 //!
-//! Writes go to etcd and are remembered (for re-registration and for the lease-bound cleanup);
+//! Writes go to etcd and are remembered (for re-registration, and for a write that failed while
+//! etcd was unreachable: the keeper publishes it once keepalives succeed again);
 //! they return once the entry is in this registry's own cache (read-your-writes), or after one
 //! request timeout if the watch lags.
 //!
@@ -98,7 +99,7 @@ impl EtcdTls {
     }
 
     /// Reads the files (blocking: call off the async threads).
-    fn options(&self) -> Result<TlsOptions> {
+    pub(crate) fn options(&self) -> Result<TlsOptions> {
         let read = |field: &'static str, path: &Path| {
             std::fs::read(path).map_err(|e| Error::config(field, path.display(), e.to_string()))
         };
@@ -317,6 +318,8 @@ struct Inner {
     /// A lease a write found gone ("lease not found"), for the keeper.
     lost_lease: AtomicI64,
     lease_lost: Notify,
+    /// A write failed while etcd was unreachable: what is owned must be put again.
+    unpublished: AtomicBool,
     status: Mutex<Status>,
 }
 
@@ -356,7 +359,14 @@ impl EtcdRegistry {
     /// `connect_timeout`, rejects the credentials, or the configuration is invalid.
     pub async fn connect(cfg: EtcdConfig) -> Result<Arc<Self>> {
         let client = cfg.client().await?;
-        Self::start(client, &cfg, true).await
+        let registry = Self::start(client, &cfg, true).await?;
+        let state = registry.state();
+        tracing::info!(
+            endpoints = %registry.inner.endpoints_str, root = %registry.inner.root,
+            lease = format!("{:x}", state.lease_id), ttl_secs = state.lease_ttl_secs,
+            agents = state.agents, segments = state.segments, "registry connected to etcd"
+        );
+        Ok(registry)
     }
 
     /// [`EtcdRegistry::connect`] on an existing client (several registries may share one).
@@ -381,19 +391,23 @@ impl EtcdRegistry {
             granted_ttl: AtomicI64::new(0),
             lost_lease: AtomicI64::new(0),
             lease_lost: Notify::new(),
+            unpublished: AtomicBool::new(false),
             status: Mutex::new(Status::default()),
         });
-        let mut tasks = Vec::new();
-        if watch {
-            let rev = inner.full_read().await?;
-            let watcher = tokio::spawn(inner.clone().watcher(rev));
-            tasks.push(watcher.abort_handle());
-        }
+        // Nothing is spawned before both requests succeeded.
+        let rev = if watch {
+            Some(inner.full_read().await?)
+        } else {
+            None
+        };
         let (lease, ttl) = inner.grant().await?;
         inner.lease.store(lease, Ordering::SeqCst);
-        let keeper = tokio::spawn(inner.clone().keeper(lease, ttl));
-        tasks.push(keeper.abort_handle());
-        tracing::info!(
+        let mut tasks = Vec::new();
+        if let Some(rev) = rev {
+            tasks.push(tokio::spawn(inner.clone().watcher(rev)).abort_handle());
+        }
+        tasks.push(tokio::spawn(inner.clone().keeper(lease, ttl)).abort_handle());
+        tracing::debug!(
             endpoints = %inner.endpoints_str, root = %inner.root, lease = format!("{lease:x}"),
             ttl_secs = ttl, "registry connected to etcd"
         );
@@ -432,7 +446,7 @@ impl Drop for EtcdRegistry {
 
 #[async_trait]
 impl Registry for EtcdRegistry {
-    /// See [`EtcdRegistry::put_segment`] for what an error means.
+    /// Errors mean what they mean for `put_segment`.
     async fn register_agent(&self, entry: AgentEntry) -> Result<()> {
         check_name("agent.name", &entry.name)?;
         self.check_open("register agent")?;
@@ -464,8 +478,9 @@ impl Registry for EtcdRegistry {
     }
 
     /// On [`Error::RegistryUnavailable`] (etcd down, no lease at the moment, lease just lost)
-    /// the entry is still remembered: it is published as soon as a lease is (re-)established,
-    /// and `shutdown` removes it. On any other error it is forgotten.
+    /// the entry is still remembered: it is published as soon as etcd answers again (under the
+    /// same lease if it survived, else by the re-registration), and `shutdown` removes it. On
+    /// any other error it is forgotten.
     async fn put_segment(&self, entry: SegmentEntry) -> Result<()> {
         check_name("segment.name", &entry.name)?;
         self.check_open("put segment")?;
@@ -687,7 +702,13 @@ impl Inner {
                     ),
                 ))
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                if matches!(e, Error::RegistryUnavailable { .. }) {
+                    // Remembered by the caller: published once etcd answers again.
+                    self.unpublished.store(true, Ordering::SeqCst);
+                }
+                Err(e)
+            }
         }
     }
 
@@ -735,6 +756,8 @@ impl Inner {
     async fn keeper(self: Arc<Self>, mut lease: i64, mut ttl: i64) {
         loop {
             let KeepAlive::Lost(why) = self.keep_alive(lease, ttl).await;
+            // Writes from now on are remembered for the re-registration, not sent.
+            self.lease.store(0, Ordering::SeqCst);
             tracing::warn!(
                 lease = format!("{lease:x}"),
                 why,
@@ -772,6 +795,42 @@ impl Inner {
         let (lease, ttl) = self.grant().await?;
         let owned = self.owned.lock().await;
         self.lease.store(lease, Ordering::SeqCst);
+        self.unpublished.store(false, Ordering::SeqCst);
+        if let Err(e) = self.put_all(&owned, lease, "re-register").await {
+            self.lease.store(0, Ordering::SeqCst);
+            drop(owned);
+            let mut client = self.client.lease_client();
+            let _ = tokio::time::timeout(self.request_timeout, client.revoke(lease)).await;
+            return Err(e);
+        }
+        Ok((lease, ttl))
+    }
+
+    /// Publishes what writes failed to publish while the lease lived on (etcd was briefly
+    /// unreachable), by re-putting everything owned under the same lease.
+    async fn republish(self: Arc<Self>, lease: i64) {
+        let owned = self.owned.lock().await;
+        if self.lease.load(Ordering::SeqCst) != lease {
+            return; // a re-registration or the shutdown took over
+        }
+        match self
+            .put_all(&owned, lease, "publish remembered entries")
+            .await
+        {
+            Ok(()) => {
+                tracing::info!("registry published the entries remembered while etcd was away")
+            }
+            Err(e) => {
+                self.unpublished.store(true, Ordering::SeqCst);
+                if is_lease_not_found(&e) {
+                    self.report_lost(lease);
+                }
+            }
+        }
+    }
+
+    /// Puts every entry in `owned` under `lease`, in transactions of `TXN_OPS`.
+    async fn put_all(&self, owned: &Owned, lease: i64, op: &str) -> Result<()> {
         let mut puts = Vec::new();
         if let Some(agent) = &owned.agent {
             puts.push((self.agent_key(&agent.name), to_json(agent)?));
@@ -791,22 +850,21 @@ impl Inner {
                 })
                 .collect();
             let mut kv = self.client.kv_client();
-            if let Err(e) = self
-                .call("re-register", kv.txn(Txn::new().and_then(ops)))
-                .await
-            {
-                self.lease.store(0, Ordering::SeqCst);
-                drop(owned);
-                let mut client = self.client.lease_client();
-                let _ = tokio::time::timeout(self.request_timeout, client.revoke(lease)).await;
-                return Err(e);
-            }
+            self.call(op, kv.txn(Txn::new().and_then(ops))).await?;
         }
-        Ok((lease, ttl))
+        Ok(())
+    }
+
+    /// After a keepalive succeeded: publishes what failed to publish meanwhile, off the
+    /// keepalive loop (keepalives go on while it runs).
+    fn publish_if_needed(self: &Arc<Self>, lease: i64) {
+        if self.unpublished.swap(false, Ordering::SeqCst) {
+            tokio::spawn(self.clone().republish(lease));
+        }
     }
 
     /// Keeps `lease` alive until it is lost.
-    async fn keep_alive(&self, lease: i64, ttl: i64) -> KeepAlive {
+    async fn keep_alive(self: &Arc<Self>, lease: i64, ttl: i64) -> KeepAlive {
         let ttl = Duration::from_secs(ttl.max(1) as u64);
         let period = (ttl / 3).max(Duration::from_millis(100));
         let mut last_ok = Instant::now();
@@ -833,6 +891,7 @@ impl Inner {
             };
             last_ok = Instant::now();
             backoff.reset();
+            self.publish_if_needed(lease);
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             tick.tick().await; // the first tick is immediate; the open just renewed the lease
@@ -859,6 +918,7 @@ impl Inner {
                         Ok(Some(_)) => {
                             last_ok = Instant::now();
                             self.ok();
+                            self.publish_if_needed(lease);
                         }
                         Ok(None) => {
                             self.failed(&self.unavailable("lease keepalive", "stream closed"));
