@@ -7,8 +7,16 @@ cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 pkgs=()
-command -v protoc >/dev/null || pkgs+=(protobuf-compiler)          # etcd-client's build script
+command -v protoc >/dev/null || pkgs+=(protobuf-compiler)          # gRPC code (agent, etcd-client)
 python3 -m pip --version >/dev/null 2>&1 || pkgs+=(python3-pip)    # scripts/install-helm.sh
+command -v etcd >/dev/null || pkgs+=(etcd-server)                  # registry and e2e tests
+command -v openssl >/dev/null || pkgs+=(openssl)                   # etcd TLS test certificates
+command -v ip >/dev/null || pkgs+=(iproute2)                       # e2e network namespaces
+# The engine's `rdma` feature: ibverbs-sys configures rdma-core with cmake and binds it with
+# bindgen, then links the system libibverbs.
+for p in libibverbs-dev cmake pkg-config libnl-3-dev libnl-route-3-dev libclang-dev clang; do
+  dpkg -s "$p" >/dev/null 2>&1 || pkgs+=("$p")
+done
 if [ ${#pkgs[@]} -gt 0 ]; then
   as_root apt-get update -qq
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${pkgs[@]}" >/dev/null
@@ -18,6 +26,7 @@ rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup comp
 echo "== fmt and clippy"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy -p kvfabric-engine --all-targets --features cuda,rdma -- -D warnings
 echo "== fuzz: frame decoder"
 scripts/fuzz.sh "${KVFABRIC_FUZZ_SECS:-60}"
 echo "== helm: lint, render, strict parse of every manifest"
@@ -25,6 +34,7 @@ scripts/helm-check.sh
 echo "== tests"
 log=$(mktemp)
 cargo test --workspace 2>&1 | tee "$log"
+cargo test -p kvfabric-engine --features rdma --test rdma 2>&1 | tee -a "$log"
 # One closing line for the whole workspace (cargo prints one result per test binary, the last
 # often a doc-test run with nothing in it).
 awk '/^test result:/ { p += $4; f += $6 } END { print "tests: " p " passed, " f " failed" }' "$log"

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::frame::TraceContext;
 use crate::op::{BlockOp, Opcode};
 use crate::region::{AccessKey, Lease};
 use crate::transport::TransportKind;
@@ -25,6 +26,8 @@ pub struct Batch {
     /// an agent acting for a worker presents the key the worker was given, so the owner of the
     /// memory (not the agent) decides who may touch it.
     pub remote_key: Option<AccessKey>,
+    /// The trace this batch belongs to; tcp carries it to the target with every chunk.
+    pub trace: Option<TraceContext>,
 }
 
 impl Batch {
@@ -35,6 +38,7 @@ impl Batch {
             timeout: None,
             checksum: false,
             remote_key: None,
+            trace: None,
         }
     }
     pub fn read(ops: Vec<BlockOp>) -> Self {
@@ -49,6 +53,10 @@ impl Batch {
     }
     pub fn with_checksum(mut self, on: bool) -> Self {
         self.checksum = on;
+        self
+    }
+    pub fn with_trace(mut self, trace: TraceContext) -> Self {
+        self.trace = Some(trace);
         self
     }
     pub fn with_remote_key(mut self, key: AccessKey) -> Self {
@@ -76,6 +84,7 @@ pub(crate) struct Job {
     pub id: u64,
     pub opcode: Opcode,
     pub checksum: bool,
+    pub trace: Option<TraceContext>,
     remaining: AtomicUsize,
     bytes: AtomicU64,
     cancelled: AtomicBool,
@@ -95,11 +104,18 @@ struct Completion {
 }
 
 impl Job {
-    pub(crate) fn new(id: u64, opcode: Opcode, checksum: bool, leases: Vec<Lease>) -> Arc<Job> {
+    pub(crate) fn new(
+        id: u64,
+        opcode: Opcode,
+        checksum: bool,
+        trace: Option<TraceContext>,
+        leases: Vec<Lease>,
+    ) -> Arc<Job> {
         Arc::new(Job {
             id,
             opcode,
             checksum,
+            trace,
             remaining: AtomicUsize::new(0),
             bytes: AtomicU64::new(0),
             cancelled: AtomicBool::new(false),

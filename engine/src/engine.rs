@@ -54,6 +54,27 @@ pub struct EngineConfig {
     /// cuda-ipc pushes run on the peer's GPU (which then pulls from ours) when this process can
     /// use that GPU, so each GPU pulls and both link directions carry data at once.
     pub cuda_push_by_peer: bool,
+    /// Told about every chunk this engine served for a peer (tcp target side), with the trace
+    /// context the initiator sent: how an embedding agent traces the work it does for others.
+    pub observer: Option<Arc<dyn ServeObserver>>,
+}
+
+/// A chunk this engine served as the target.
+#[derive(Debug, Clone)]
+pub struct ServedChunk<'a> {
+    pub peer: &'a str,
+    pub opcode: crate::op::Opcode,
+    pub ops: u32,
+    pub bytes: u64,
+    pub started: std::time::SystemTime,
+    pub elapsed: Duration,
+    pub trace: Option<crate::frame::TraceContext>,
+    /// Why the chunk was refused or failed.
+    pub error: Option<String>,
+}
+
+pub trait ServeObserver: Send + Sync + std::fmt::Debug {
+    fn served(&self, chunk: &ServedChunk<'_>);
 }
 
 impl Default for EngineConfig {
@@ -73,6 +94,7 @@ impl Default for EngineConfig {
             cuda_spin: false,
             spin_wait: Duration::ZERO,
             cuda_push_by_peer: true,
+            observer: None,
         }
     }
 }
@@ -574,7 +596,7 @@ impl Peer {
         drop(descriptor);
         let leases: Vec<Lease> = locals.iter().map(|r| r.lease()).collect();
         let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
-        let job = Job::new(id, batch.opcode, batch.checksum, leases);
+        let job = Job::new(id, batch.opcode, batch.checksum, batch.trace, leases);
         debug!(
             batch = id,
             op = %batch.opcode,

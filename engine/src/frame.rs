@@ -5,7 +5,8 @@
 //! ```text
 //!  0..4   magic  "KVF1"
 //!  4      kind   (FrameKind)
-//!  5      flags  (bit 0: crc32c trailer follows, bit 1: body is an error)
+//!  5      flags  (bit 0: crc32c trailer follows, bit 1: body is an error, bit 2: a manifest
+//!                 starts with a 32-byte trace context)
 //!  6..8   reserved, zero
 //!  8..16  tag    (chunk id, echoed in the reply)
 //! 16..20  count  (manifest entries / checksums)
@@ -34,7 +35,36 @@ pub const MAX_CONTROL_LEN: u64 = 1 << 20;
 
 pub const FLAG_CRC: u8 = 1;
 pub const FLAG_ERROR: u8 = 2;
-const KNOWN_FLAGS: u8 = FLAG_CRC | FLAG_ERROR;
+pub const FLAG_TRACE: u8 = 4;
+const KNOWN_FLAGS: u8 = FLAG_CRC | FLAG_ERROR | FLAG_TRACE;
+/// Trace context block of a manifest: trace id 16, parent span id 8, W3C flags 1, zero 7.
+pub const TRACE_LEN: usize = 32;
+
+/// The W3C trace context of the batch a chunk belongs to, so the target's work joins the
+/// initiator's trace. Opaque to the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TraceContext {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+    pub flags: u8,
+}
+
+impl TraceContext {
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.trace_id);
+        out.extend_from_slice(&self.span_id);
+        out.push(self.flags);
+        out.extend_from_slice(&[0; 7]);
+    }
+
+    pub fn decode(b: &[u8; TRACE_LEN]) -> TraceContext {
+        TraceContext {
+            trace_id: b[0..16].try_into().expect("16 bytes"),
+            span_id: b[16..24].try_into().expect("8 bytes"),
+            flags: b[24],
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -157,7 +187,8 @@ impl Header {
         }
         let kind = FrameKind::from_u8(b[4]).ok_or(FrameError::UnknownKind { kind: b[4] })?;
         let flags = b[5];
-        if flags & !KNOWN_FLAGS != 0 {
+        let manifest = matches!(kind, FrameKind::WriteManifest | FrameKind::ReadManifest);
+        if flags & !KNOWN_FLAGS != 0 || (flags & FLAG_TRACE != 0 && !manifest) {
             return Err(FrameError::UnknownFlags { kind, flags });
         }
         if b[6..8] != [0, 0] || b[20..24] != [0, 0, 0, 0] {
@@ -183,8 +214,9 @@ impl Header {
     }
 
     /// Bytes of manifest that follow a manifest header.
+    /// Bytes of manifest after the header: the trace block (if flagged) and the entries.
     pub fn manifest_len(&self) -> usize {
-        self.count as usize * ENTRY_LEN
+        self.count as usize * ENTRY_LEN + if self.has(FLAG_TRACE) { TRACE_LEN } else { 0 }
     }
 }
 
@@ -217,7 +249,17 @@ impl Entry {
     }
 }
 
-/// Decodes `header.count` entries and checks that they add up to `header.len`.
+/// The trace context a manifest carries (its body as read after the header), if flagged.
+pub fn decode_trace(header: &Header, body: &[u8]) -> Option<TraceContext> {
+    if !header.has(FLAG_TRACE) || body.len() < TRACE_LEN {
+        return None;
+    }
+    Some(TraceContext::decode(
+        body[..TRACE_LEN].try_into().expect("TRACE_LEN bytes"),
+    ))
+}
+
+/// Decodes `header.count` entries (after the trace block, if any) and checks that they add up to `header.len`.
 pub fn decode_manifest(header: &Header, body: &[u8]) -> Result<Vec<Entry>, FrameError> {
     let need = header.manifest_len();
     if body.len() < need {
@@ -226,9 +268,10 @@ pub fn decode_manifest(header: &Header, body: &[u8]) -> Result<Vec<Entry>, Frame
             have: body.len(),
         });
     }
+    let start = need - header.count as usize * ENTRY_LEN;
     let mut total: u64 = 0;
     let mut entries = Vec::with_capacity(header.count as usize);
-    for (i, c) in body[..need].chunks_exact(ENTRY_LEN).enumerate() {
+    for (i, c) in body[start..need].chunks_exact(ENTRY_LEN).enumerate() {
         let e = Entry::decode(c.try_into().expect("chunks_exact"));
         total = total
             .checked_add(e.len)
@@ -296,6 +339,38 @@ mod tests {
     fn header_round_trips() {
         let h = Header::new(FrameKind::WriteManifest, 42, 3, 1 << 40).with_flags(FLAG_CRC);
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+    }
+
+    #[test]
+    fn a_traced_manifest_carries_its_context_before_the_entries() {
+        let e = Entry {
+            region: RegionId(3),
+            key: AccessKey(5),
+            offset: 64,
+            len: 4096,
+        };
+        let h = Header::new(FrameKind::ReadManifest, 1, 1, 4096).with_flags(FLAG_TRACE);
+        let trace = TraceContext {
+            trace_id: [1; 16],
+            span_id: [2; 8],
+            flags: 1,
+        };
+        let mut body = Vec::new();
+        trace.encode_into(&mut body);
+        e.encode_into(&mut body);
+        assert_eq!(h.manifest_len(), body.len());
+        assert_eq!(decode_trace(&h, &body), Some(trace));
+        assert_eq!(decode_manifest(&h, &body).unwrap(), vec![e]);
+        assert!(matches!(
+            decode_manifest(&h, &body[..40]),
+            Err(FrameError::Truncated { .. })
+        ));
+        // Only manifests may carry a trace block.
+        let ack = Header::new(FrameKind::Ack, 1, 0, 0).with_flags(FLAG_TRACE);
+        assert!(matches!(
+            Header::decode(&ack.encode()),
+            Err(FrameError::UnknownFlags { .. })
+        ));
     }
 
     #[test]

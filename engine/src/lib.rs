@@ -18,8 +18,9 @@ pub mod transport;
 
 pub use batch::{Batch, BatchHandle, BatchResult, Canceller};
 pub use cuda::{CudaExport, CudaPath, IpcHandle};
-pub use engine::{Engine, EngineConfig, Peer};
+pub use engine::{Engine, EngineConfig, Peer, ServeObserver, ServedChunk};
 pub use error::{Error, RemoteError, Result, Side};
+pub use frame::TraceContext;
 pub use op::{BlockOp, Coalesced, Opcode, coalesce, validate};
 pub use region::{AccessKey, Location, RawRange, Region, RegionId};
 pub use segment::{

@@ -19,8 +19,8 @@ use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::error::{Error, Result};
 use crate::frame::{
-    ENTRY_LEN, FLAG_CRC, FLAG_ERROR, FrameError, FrameKind, HEADER_LEN, Header, Hello, MAX_ENTRIES,
-    decode_crcs,
+    ENTRY_LEN, FLAG_CRC, FLAG_ERROR, FLAG_TRACE, FrameError, FrameKind, HEADER_LEN, Header, Hello,
+    MAX_ENTRIES, TRACE_LEN, decode_crcs,
 };
 use crate::handshake::{self, closed_or_io, read_header, read_remote_error};
 use crate::op::Opcode;
@@ -647,12 +647,18 @@ fn encode_head(chunk: &Chunk, out: &mut Vec<u8>) {
         Opcode::Write => FrameKind::WriteManifest,
         Opcode::Read => FrameKind::ReadManifest,
     };
-    let flags = if chunk.job.checksum { FLAG_CRC } else { 0 };
+    let mut flags = if chunk.job.checksum { FLAG_CRC } else { 0 };
+    if chunk.job.trace.is_some() {
+        flags |= FLAG_TRACE;
+    }
     let header =
         Header::new(kind, chunk.tag, chunk.pieces.len() as u32, chunk.bytes).with_flags(flags);
     out.clear();
-    out.reserve(HEADER_LEN + chunk.pieces.len() * ENTRY_LEN);
+    out.reserve(HEADER_LEN + TRACE_LEN + chunk.pieces.len() * ENTRY_LEN);
     out.extend_from_slice(&header.encode());
+    if let Some(trace) = &chunk.job.trace {
+        trace.encode_into(out);
+    }
     for p in &chunk.pieces {
         p.remote.encode_into(out);
     }

@@ -5,15 +5,21 @@
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
+use std::time::{Instant, SystemTime};
 
 use tracing::{debug, info};
 
 use super::TransportKind;
 use super::io::{discard, hang_up, read_exact_vectored, write_all_vectored};
 use crate::engine::Inner;
+use crate::engine::ServedChunk;
 use crate::error::{Error, Result, Side};
-use crate::frame::{FLAG_CRC, FrameError, FrameKind, Header, decode_crcs, decode_manifest};
+use crate::frame::{
+    FLAG_CRC, FrameError, FrameKind, Header, TraceContext, decode_crcs, decode_manifest,
+    decode_trace,
+};
 use crate::handshake::{self, closed_or_io, read_header, send_error};
+use crate::op::Opcode;
 use crate::op::check_disjoint;
 use crate::region::{Lease, Location, RawRange};
 
@@ -38,6 +44,8 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String)
         peer,
         manifest: Vec::new(),
         scratch: Vec::new(),
+        trace: None,
+        refusal: None,
     };
     loop {
         match conn.serve_one(&mut stream) {
@@ -60,6 +68,10 @@ struct ServerConn {
     peer: String,
     manifest: Vec<u8>,
     scratch: Vec<u8>,
+    /// The trace context of the chunk being served, for the observer.
+    trace: Option<TraceContext>,
+    /// Why the chunk being served was refused (the connection lives on), for the observer.
+    refusal: Option<String>,
 }
 
 /// A manifest that passed every check: the leases keep the memory alive while we use it.
@@ -71,21 +83,43 @@ struct Checked {
 impl ServerConn {
     fn serve_one(&mut self, s: &mut TcpStream) -> Result<()> {
         let h = read_header(s, &self.peer)?;
-        match h.kind {
-            FrameKind::WriteManifest => self.write(s, &h),
-            FrameKind::ReadManifest => self.read(s, &h),
-            kind => Err(FrameError::Unexpected {
-                kind,
-                expected: "a WriteManifest or ReadManifest frame",
+        let (started, clock) = (Instant::now(), SystemTime::now());
+        self.trace = None;
+        self.refusal = None;
+        let (opcode, result) = match h.kind {
+            FrameKind::WriteManifest => (Opcode::Write, self.write(s, &h)),
+            FrameKind::ReadManifest => (Opcode::Read, self.read(s, &h)),
+            kind => {
+                return Err(FrameError::Unexpected {
+                    kind,
+                    expected: "a WriteManifest or ReadManifest frame",
+                }
+                .into());
             }
-            .into()),
+        };
+        if let Some(observer) = &self.inner.config.observer {
+            observer.served(&ServedChunk {
+                peer: &self.peer,
+                opcode,
+                ops: h.count,
+                bytes: h.len,
+                started: clock,
+                elapsed: started.elapsed(),
+                trace: self.trace,
+                error: match &result {
+                    Err(e) => Some(e.to_string()),
+                    Ok(()) => self.refusal.take(),
+                },
+            });
         }
+        result
     }
 
     fn entries(&mut self, s: &mut TcpStream, h: &Header) -> Result<Vec<crate::frame::Entry>> {
         self.manifest.resize(h.manifest_len(), 0);
         s.read_exact(&mut self.manifest)
             .map_err(|e| closed_or_io(e, &self.peer))?;
+        self.trace = decode_trace(h, &self.manifest);
         Ok(decode_manifest(h, &self.manifest)?)
     }
 
@@ -148,6 +182,7 @@ impl ServerConn {
                     discard(s, h.count as u64 * 4, &mut self.scratch).map_err(io)?;
                 }
                 debug!(peer = %self.peer, error = %refusal, "write chunk refused");
+                self.refusal = Some(refusal.to_string());
                 send_error(s, FrameKind::Ack, h.tag, &refusal);
                 return Ok(());
             }
@@ -190,6 +225,7 @@ impl ServerConn {
             Ok(c) => c,
             Err(refusal) => {
                 debug!(peer = %self.peer, error = %refusal, "read chunk refused");
+                self.refusal = Some(refusal.to_string());
                 send_error(s, FrameKind::ReadData, h.tag, &refusal);
                 return Ok(());
             }
