@@ -309,6 +309,19 @@ pub struct AgentArgs {
     #[arg(long, env = "KVFABRIC_CONNECT_TIMEOUT_MS", default_value_t = 3_000)]
     pub connect_timeout_ms: u64,
 
+    /// Prometheus metrics (`/metrics`) and `/healthz` listen address.
+    #[arg(long, env = "KVFABRIC_METRICS_ADDR", default_value = "0.0.0.0:9090")]
+    pub metrics_addr: SocketAddr,
+
+    /// OTLP gRPC collector for traces (OTEL_EXPORTER_OTLP_ENDPOINT, when set, wins). None: no
+    /// trace export.
+    #[arg(long, env = "KVFABRIC_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// Share of traces kept, 0..=1 (OTEL_TRACES_SAMPLER, when set, wins).
+    #[arg(long, env = "KVFABRIC_TRACE_SAMPLE_RATIO", value_parser = parse_ratio)]
+    pub trace_sample_ratio: Option<f64>,
+
     /// After SIGTERM, how long in-flight transfers may take to finish.
     #[arg(long, env = "KVFABRIC_GRACE_SECS", default_value_t = 10)]
     pub grace_secs: u64,
@@ -345,4 +358,11 @@ pub struct RegistryBenchArgs {
     /// The report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("{s:?} is not a ratio between 0 and 1")),
+    }
 }

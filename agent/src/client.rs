@@ -22,6 +22,7 @@ use hyper_util::rt::TokioIo;
 use kvfabric_engine::Region;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tower::service_fn;
+use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::rpc::MAX_MESSAGE_BYTES;
@@ -314,11 +315,28 @@ impl Client {
     }
 
     /// The request as given, and the gRPC status as the agent answered (tests of bad input).
+    ///
+    /// The call runs in a `kvfabric.worker.submit` span whose context travels to the agent
+    /// (W3C `traceparent` metadata), so a worker that exports traces sees the whole transfer.
     pub async fn submit_raw(
         &self,
         request: SubmitRequest,
     ) -> std::result::Result<SubmitResponse, tonic::Status> {
-        Ok(self.grpc.clone().submit(request).await?.into_inner())
+        let span = tracing::info_span!(
+            "kvfabric.worker.submit",
+            otel.kind = "client",
+            kvfabric.local.segment = %request.local_segment,
+            kvfabric.remote.segment = %request.remote_segment,
+            kvfabric.op = request.opcode,
+            kvfabric.blocks = request.ops.len(),
+        );
+        async {
+            let mut call = tonic::Request::new(request);
+            crate::telemetry::inject(call.metadata_mut());
+            Ok(self.grpc.clone().submit(call).await?.into_inner())
+        }
+        .instrument(span)
+        .await
     }
 
     /// The raw gRPC client, for calls this wrapper does not cover.

@@ -130,6 +130,28 @@ impl Error {
         }
     }
 
+    /// A short, stable name for the kind of error (metrics label, span attribute).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Engine(e) => e.code(),
+            Error::Config { .. } => "config",
+            Error::Control { .. } => "bench_control",
+            Error::Verify { .. } => "verify",
+            Error::UnknownSegment { .. } | Error::NoSuchSegment { .. } => "unknown_segment",
+            Error::RegistryUnavailable { .. } => "registry_unavailable",
+            Error::Registry { .. } => "registry",
+            Error::RegistryAuth { .. } => "registry_auth",
+            Error::EtcdNotFound { .. } | Error::EtcdStart { .. } => "etcd",
+            Error::SegmentExists { .. } => "segment_exists",
+            Error::WrongKey { .. } => "wrong_key",
+            Error::InvalidRequest { .. } => "invalid_request",
+            Error::UnknownAgent { .. } => "unknown_agent",
+            Error::PeerAgent { .. } => "peer_agent",
+            Error::LocalAgent { .. } => "local_agent",
+            Error::Io { .. } => "io",
+        }
+    }
+
     /// Bad configuration exits 64 (EX_USAGE); everything else is a runtime failure.
     pub fn exit_code(&self) -> i32 {
         match self {

@@ -8,6 +8,7 @@ pub mod discovery;
 mod error;
 pub mod fd_socket;
 pub mod local_api;
+pub mod metrics;
 pub mod node;
 pub mod peer_api;
 pub mod peer_link;
@@ -16,6 +17,7 @@ pub mod rpc;
 pub mod server;
 pub mod shutdown;
 pub mod status;
+pub mod telemetry;
 pub mod testkit;
 
 pub use error::{Error, Result};

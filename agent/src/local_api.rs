@@ -19,6 +19,9 @@ use crate::rpc::pb::{
     SubmitResponse, WatchSegmentsRequest, region_spec, segment_event,
 };
 use crate::status;
+use crate::telemetry;
+use tracing::{Instrument, field, info_span};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 #[derive(Debug, Clone)]
 pub struct LocalApi {
@@ -142,8 +145,39 @@ impl LocalAgent for LocalApi {
         &self,
         request: Request<SubmitRequest>,
     ) -> Result<Response<SubmitResponse>, Status> {
-        let transfer = decode_transfer(request.into_inner())?;
-        let done = self.node.transfer(transfer).await?;
+        let config = &self.node.config;
+        let span = info_span!(
+            "kvfabric.agent.submit",
+            otel.kind = "server",
+            kvfabric.agent = %config.name,
+            kvfabric.fabric = %config.fabric,
+            kvfabric.pool = %config.pool,
+            kvfabric.src.segment = field::Empty,
+            kvfabric.dst.segment = field::Empty,
+            kvfabric.src.node = field::Empty,
+            kvfabric.dst.node = field::Empty,
+            kvfabric.op = field::Empty,
+            kvfabric.blocks = field::Empty,
+            kvfabric.coalesced_ops = field::Empty,
+            kvfabric.bytes = field::Empty,
+            kvfabric.duration_ms = field::Empty,
+            kvfabric.gbps = field::Empty,
+            kvfabric.transport = field::Empty,
+            kvfabric.transport.reason = field::Empty,
+            kvfabric.retries = 0,
+            trace_id = field::Empty,
+            error = field::Empty,
+            otel.status_code = field::Empty,
+        );
+        let _ = span.set_parent(telemetry::extract(request.metadata()));
+        let transfer = match decode_transfer(request.into_inner()) {
+            Ok(t) => t,
+            Err(e) => {
+                self.node.metrics.error(e.kind());
+                return Err(e.into());
+            }
+        };
+        let done = self.node.transfer(transfer).instrument(span).await?;
         Ok(Response::new(SubmitResponse {
             bytes: done.bytes,
             ops: done.ops as u32,

@@ -2,6 +2,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use kvfabric_agent::cli::{Cli, Command};
+use kvfabric_agent::telemetry::{self, TraceConfig};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
@@ -21,10 +22,6 @@ fn main() -> ExitCode {
             return ExitCode::from(64);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -36,10 +33,20 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        match cli.command {
+        // Only the agent exports traces; the other commands log.
+        let trace = match &cli.command {
+            Command::Agent(a) => Some(TraceConfig::resolve(
+                a.otlp_endpoint.clone(),
+                a.trace_sample_ratio,
+            )),
+            _ => None,
+        };
+        let telemetry = telemetry::init(filter, trace, "kvfabric-agent")?;
+        let result = match cli.command {
             Command::Bench(args) => kvfabric_agent::bench::run(args).await,
             Command::Agent(args) => {
-                kvfabric_agent::server::run(args, kvfabric_agent::shutdown::signal()).await
+                kvfabric_agent::server::run(args, &telemetry, kvfabric_agent::shutdown::signal())
+                    .await
             }
             Command::Status(args) => kvfabric_agent::status::show(args).await,
             Command::RegistryBench(args) => kvfabric_agent::registry::bench::main(args).await,
@@ -53,7 +60,9 @@ fn main() -> ExitCode {
                         ))
                     })
             }
-        }
+        };
+        telemetry.shutdown();
+        result
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

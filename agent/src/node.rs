@@ -13,11 +13,13 @@ use kvfabric_engine::{
     Region, SegmentDescriptor, TransportKind,
 };
 use serde::Serialize;
-use tracing::{info, warn};
+use tracing::{Instrument, field, info, info_span, warn};
 
 use crate::error::{Error, Result};
+use crate::metrics::{LinkLabels, SharedMetrics, TransportLabels};
 use crate::peer_link;
 use crate::registry::{AgentEntry, SegmentEntry, SegmentRegion, SharedRegistry};
+use crate::telemetry;
 
 /// Most regions one segment may hold.
 pub const MAX_REGIONS: usize = 4096;
@@ -105,6 +107,7 @@ pub struct Node {
     pub config: NodeConfig,
     pub engine: Engine,
     pub registry: SharedRegistry,
+    pub metrics: SharedMetrics,
     /// Where this agent's peer API listens (what its registry entry advertises).
     pub peer_addr: SocketAddr,
     segments: RwLock<HashMap<String, Arc<LocalSegment>>>,
@@ -119,12 +122,14 @@ impl Node {
         config: NodeConfig,
         engine: Engine,
         registry: SharedRegistry,
+        metrics: SharedMetrics,
         peer_addr: SocketAddr,
     ) -> Arc<Node> {
         Arc::new(Node {
             config,
             engine,
             registry,
+            metrics,
             peer_addr,
             segments: RwLock::default(),
             fds: Mutex::default(),
@@ -363,8 +368,53 @@ impl Node {
     }
 
     /// Moves one batch for a worker: resolves both segments, checks keys and indexes, picks (or
-    /// opens) the data connection to the agent serving the remote segment, and waits.
+    /// opens) the data connection to the agent serving the remote segment, and waits. Runs in
+    /// the caller's span (the local API's submit span), which it fills with what it learns.
     pub async fn transfer(&self, t: Transfer) -> Result<TransferResult> {
+        let span = tracing::Span::current();
+        let (src, dst) = match t.opcode {
+            Opcode::Read => (&t.remote_segment, &t.local_segment),
+            Opcode::Write => (&t.local_segment, &t.remote_segment),
+        };
+        span.record("kvfabric.src.segment", src.as_str());
+        span.record("kvfabric.dst.segment", dst.as_str());
+        span.record("kvfabric.op", t.opcode.to_string());
+        span.record("kvfabric.blocks", t.ops.len());
+        if let Some(id) = telemetry::current_trace_id() {
+            span.record("trace_id", id);
+        }
+        let outcome = self.transfer_in_span(&t).await;
+        match &outcome {
+            Ok(done) => {
+                let secs = done.elapsed.as_secs_f64();
+                span.record("kvfabric.bytes", done.bytes);
+                span.record("kvfabric.coalesced_ops", done.coalesced_ops);
+                span.record("kvfabric.duration_ms", secs * 1e3);
+                span.record("kvfabric.gbps", done.bytes as f64 / secs.max(1e-9) / 1e9);
+                let labels = LinkLabels {
+                    transport: done.transport.to_string(),
+                    peer: done.remote_agent.clone(),
+                };
+                self.metrics.bytes.get_or_create(&labels).inc_by(done.bytes);
+                self.metrics.batches.get_or_create(&labels).inc();
+                self.metrics
+                    .batch_seconds
+                    .get_or_create(&TransportLabels {
+                        transport: labels.transport,
+                    })
+                    .observe(secs);
+            }
+            Err(e) => {
+                span.record("error", e.to_string());
+                span.record("otel.status_code", "ERROR");
+                self.metrics.error(e.kind());
+            }
+        }
+        outcome
+    }
+
+    async fn transfer_in_span(&self, t: &Transfer) -> Result<TransferResult> {
+        let span = tracing::Span::current();
         let local = self.local_segment(&t.local_segment, t.local_key)?;
         if t.ops.is_empty() {
             return Err(Error::invalid("ops", 0, "a batch needs at least one op"));
@@ -385,6 +435,12 @@ impl Node {
                 .ok_or_else(|| Error::NoSuchSegment {
                     name: t.remote_segment.clone(),
                 })?;
+        let (src_node, dst_node) = match t.opcode {
+            Opcode::Read => (&remote.agent, &self.config.name),
+            Opcode::Write => (&self.config.name, &remote.agent),
+        };
+        span.record("kvfabric.src.node", src_node.as_str());
+        span.record("kvfabric.dst.node", dst_node.as_str());
         let mut ops = Vec::with_capacity(t.ops.len());
         let mut gpu_only = true;
         for (i, o) in t.ops.iter().enumerate() {
@@ -421,6 +477,8 @@ impl Node {
             });
         }
         let link = self.link(&remote, gpu_only).await?;
+        span.record("kvfabric.transport", link.peer.transport().to_string());
+        span.record("kvfabric.transport.reason", link.reason.as_str());
         let descriptor = self.fresh_descriptor(&link, &remote).await?;
         for r in &remote.regions {
             let served = descriptor.region(r.id);
@@ -430,14 +488,46 @@ impl Node {
                 });
             }
         }
-        let mut batch = Batch::new(t.opcode, ops)
-            .with_checksum(t.checksum)
-            .with_remote_key(AccessKey(t.remote_key));
-        batch.timeout = Some(t.timeout.unwrap_or(self.config.batch_timeout));
-        let outcome = match link.peer.submit(batch) {
-            Ok(handle) => handle.wait().await,
-            Err(e) => Err(e),
-        };
+        let transport = info_span!(
+            "kvfabric.transport",
+            otel.name = format!("kvfabric.transport.{}", link.peer.transport()),
+            kvfabric.transport = %link.peer.transport(),
+            kvfabric.peer = %link.agent,
+            kvfabric.op = %t.opcode,
+            kvfabric.blocks = ops.len(),
+            kvfabric.coalesced_ops = field::Empty,
+            kvfabric.bytes = field::Empty,
+            kvfabric.duration_ms = field::Empty,
+            kvfabric.gbps = field::Empty,
+            error = field::Empty,
+        );
+        let outcome = async {
+            let mut batch = Batch::new(t.opcode, ops)
+                .with_checksum(t.checksum)
+                .with_remote_key(AccessKey(t.remote_key));
+            batch.trace = telemetry::current_trace();
+            batch.timeout = Some(t.timeout.unwrap_or(self.config.batch_timeout));
+            let done = match link.peer.submit(batch) {
+                Ok(handle) => handle.wait().await,
+                Err(e) => Err(e),
+            };
+            let span = tracing::Span::current();
+            match &done {
+                Ok(d) => {
+                    let secs = d.elapsed.as_secs_f64();
+                    span.record("kvfabric.coalesced_ops", d.coalesced_ops);
+                    span.record("kvfabric.bytes", d.bytes);
+                    span.record("kvfabric.duration_ms", secs * 1e3);
+                    span.record("kvfabric.gbps", d.bytes as f64 / secs.max(1e-9) / 1e9);
+                }
+                Err(e) => {
+                    span.record("error", e.to_string());
+                }
+            }
+            done
+        }
+        .instrument(transport)
+        .await;
         link.batches.fetch_add(1, Ordering::Relaxed);
         match outcome {
             Ok(done) => Ok(TransferResult {
@@ -482,12 +572,23 @@ impl Node {
         {
             return Ok(link.clone());
         }
-        let descriptor = self.peer_descriptor(&agent).await?;
+        let select = info_span!(
+            "kvfabric.transport.select",
+            kvfabric.peer = %agent.name,
+            kvfabric.transport = field::Empty,
+            kvfabric.transport.reason = field::Empty,
+            kvfabric.fallback = field::Empty,
+        );
+        let descriptor = self
+            .peer_descriptor(&agent)
+            .instrument(select.clone())
+            .await?;
         let mut refused = Vec::new();
         for kind in candidates {
             match self
                 .engine
                 .connect(&descriptor, Preference::Only(kind), None)
+                .instrument(select.clone())
                 .await
             {
                 Ok(peer) => {
@@ -497,6 +598,12 @@ impl Node {
                         refused.join("; ")
                     };
                     info!(agent = %agent.name, transport = %kind, %reason, "data connection open");
+                    select.record("kvfabric.transport", kind.to_string());
+                    select.record("kvfabric.transport.reason", reason.as_str());
+                    if !refused.is_empty() {
+                        select.record("kvfabric.fallback", refused.join("; "));
+                    }
+                    self.metrics.open_connections.inc();
                     let link = Arc::new(Link {
                         agent: agent.name.clone(),
                         peer,
@@ -583,6 +690,7 @@ impl Node {
         let key = (link.agent.clone(), link.peer.transport());
         if links.get(&key).is_some_and(|l| Arc::ptr_eq(l, link)) {
             links.remove(&key);
+            self.metrics.open_connections.dec();
             self.closed_bytes
                 .fetch_add(link.peer.stats().bytes, Ordering::Relaxed);
             warn!(agent = %link.agent, transport = %key.1, "data connection dropped; the next batch re-dials");

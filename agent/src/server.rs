@@ -3,9 +3,10 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kvfabric_engine::{Engine, EngineConfig};
+use kvfabric_engine::{Engine, EngineConfig, ServeObserver, ServedChunk};
 use serde::Serialize;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
@@ -17,6 +18,7 @@ use crate::cli::AgentArgs;
 use crate::discovery;
 use crate::error::{Error, Result};
 use crate::local_api::LocalApi;
+use crate::metrics::{Metrics, ServedLabels, SharedMetrics};
 use crate::node::{Node, NodeConfig};
 use crate::peer_api::PeerApi;
 use crate::registry::etcd::{EtcdConfig, EtcdRegistry, EtcdTls};
@@ -25,6 +27,7 @@ use crate::registry::{AgentEntry, SharedRegistry};
 use crate::rpc::MAX_MESSAGE_BYTES;
 use crate::rpc::pb::local_agent_server::LocalAgentServer;
 use crate::rpc::pb::peer_agent_server::PeerAgentServer;
+use crate::telemetry::Telemetry;
 
 pub const LOCAL_SOCKET: &str = "agent.sock";
 pub const FD_SOCKET: &str = "agent.fd.sock";
@@ -34,6 +37,7 @@ pub const SHM_SOCKET: &str = "shm.sock";
 #[derive(Debug)]
 pub struct Listeners {
     pub peer: TcpListener,
+    pub metrics: TcpListener,
     pub data: TcpListener,
     pub local: UnixListener,
     pub fd: UnixListener,
@@ -42,7 +46,12 @@ pub struct Listeners {
 }
 
 impl Listeners {
-    pub async fn bind(socket_dir: &Path, peer: SocketAddr, data: SocketAddr) -> Result<Self> {
+    pub async fn bind(
+        socket_dir: &Path,
+        peer: SocketAddr,
+        data: SocketAddr,
+        metrics: SocketAddr,
+    ) -> Result<Self> {
         std::fs::create_dir_all(socket_dir)
             .map_err(|e| Error::io(format!("create socket dir {}", socket_dir.display()), e))?;
         let unix = |name: &str| {
@@ -58,6 +67,7 @@ impl Listeners {
         };
         Ok(Listeners {
             peer: tcp(peer).await?,
+            metrics: tcp(metrics).await?,
             data: tcp(data).await?,
             local: unix(LOCAL_SOCKET)?,
             fd: unix(FD_SOCKET)?,
@@ -68,18 +78,29 @@ impl Listeners {
 }
 
 /// Printed on stdout once the agent serves, so scripts and tests learn the bound ports.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, serde::Deserialize)]
 pub struct Ready {
     pub agent: String,
     pub peer: SocketAddr,
+    pub metrics: SocketAddr,
     pub data: SocketAddr,
     pub socket_dir: PathBuf,
     pub registry: String,
 }
 
-pub async fn run(args: AgentArgs, shutdown: impl Future<Output = ()>) -> Result<()> {
+pub async fn run(
+    args: AgentArgs,
+    telemetry: &Telemetry,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
     validate(&args)?;
-    let listeners = Listeners::bind(&args.socket_dir, args.grpc_addr, args.data_addr).await?;
+    let listeners = Listeners::bind(
+        &args.socket_dir,
+        args.grpc_addr,
+        args.data_addr,
+        args.metrics_addr,
+    )
+    .await?;
     let registry: SharedRegistry = if args.etcd_endpoints.is_empty() {
         MemoryRegistry::standalone()
     } else {
@@ -111,7 +132,7 @@ pub async fn run(args: AgentArgs, shutdown: impl Future<Output = ()>) -> Result<
             println!("{line}");
         }
     };
-    serve(&args, listeners, registry, print, shutdown).await
+    serve(&args, listeners, registry, telemetry, print, shutdown).await
 }
 
 fn validate(args: &AgentArgs) -> Result<()> {
@@ -158,6 +179,7 @@ pub async fn serve(
     args: &AgentArgs,
     listeners: Listeners,
     registry: SharedRegistry,
+    telemetry: &Telemetry,
     on_ready: impl FnOnce(&Ready),
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
@@ -166,8 +188,14 @@ pub async fn serve(
         .await
         .map_err(|e| Error::io("device discovery", std::io::Error::other(e)))?;
     let advertise = advertise(args, &devices);
+    let metrics: SharedMetrics = Arc::new(Metrics::new(&telemetry.counters));
     let engine = Engine::new(EngineConfig {
         name: format!("agent-{name}"),
+        observer: Some(Arc::new(ServedSpans {
+            agent: name.clone(),
+            tracing: telemetry.tracing_enabled(),
+            metrics: metrics.clone(),
+        })),
         tcp_connections: args.tcp_connections,
         batch_timeout: Duration::from_millis(args.batch_timeout_ms),
         max_batch_ops: args.max_batch_ops,
@@ -202,6 +230,7 @@ pub async fn serve(
         },
         engine.clone(),
         registry.clone(),
+        metrics.clone(),
         peer_addr,
     );
 
@@ -249,6 +278,15 @@ pub async fn serve(
                 ),
         ),
     ];
+    let metrics_addr = listeners
+        .metrics
+        .local_addr()
+        .map_err(|e| Error::io("metrics listener address", e))?;
+    let metrics_task = tokio::spawn(
+        axum::serve(listeners.metrics, metrics_router(node.clone()))
+            .with_graceful_shutdown(stopped(data_rx.clone()))
+            .into_future(),
+    );
     let fd_task = tokio::spawn(crate::fd_socket::serve(
         listeners.fd,
         node.clone(),
@@ -275,6 +313,7 @@ pub async fn serve(
     let ready = Ready {
         agent: name.clone(),
         peer: peer_addr,
+        metrics: metrics_addr,
         data: SocketAddr::new(advertise, data_local.port()),
         socket_dir: listeners.socket_dir.clone(),
         registry: registry.state().backend,
@@ -308,9 +347,181 @@ pub async fn serve(
     for t in data_tasks {
         let _ = tokio::time::timeout(Duration::from_secs(1), t).await;
     }
+    let _ = tokio::time::timeout(Duration::from_secs(1), metrics_task).await;
     for name in [LOCAL_SOCKET, FD_SOCKET] {
         let _ = std::fs::remove_file(listeners.socket_dir.join(name));
     }
     info!("agent stopped");
     Ok(())
+}
+
+/// `/metrics` (registry gauges refreshed at scrape time) and `/healthz`.
+fn metrics_router(node: Arc<Node>) -> axum::Router {
+    use axum::routing::get;
+    axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let node = node.clone();
+                async move {
+                    let m = &node.metrics;
+                    let state = node.registry.state();
+                    m.registry_connected.set(i64::from(state.connected));
+                    m.registry_agents.set(state.agents as i64);
+                    m.registry_segments.set(state.segments as i64);
+                    m.registry_reregistrations.set(state.reregistrations as i64);
+                    m.local_segments.set(node.local_segments().len() as i64);
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        m.encode(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+}
+
+/// Turns every chunk the engine served for a peer into a metric and, when tracing, a span in
+/// the initiator's trace (its context came with the chunk).
+#[derive(Debug)]
+struct ServedSpans {
+    agent: String,
+    tracing: bool,
+    metrics: SharedMetrics,
+}
+
+impl ServeObserver for ServedSpans {
+    fn served(&self, c: &ServedChunk<'_>) {
+        if c.error.is_none() {
+            self.metrics
+                .served_bytes
+                .get_or_create(&ServedLabels {
+                    op: c.opcode.to_string(),
+                })
+                .inc_by(c.bytes);
+        }
+        let Some(trace) = c.trace.filter(|t| self.tracing && t.flags & 1 == 1) else {
+            return;
+        };
+        use opentelemetry::trace::{Span, SpanKind, Tracer};
+        let tracer = opentelemetry::global::tracer("kvfabric");
+        let mut span = tracer
+            .span_builder("kvfabric.peer.serve")
+            .with_kind(SpanKind::Server)
+            .with_start_time(c.started)
+            .with_attributes(crate::telemetry::served_attributes(c, &self.agent))
+            .start_with_context(&tracer, &crate::telemetry::remote_parent(&trace));
+        if let Some(e) = &c.error {
+            span.set_status(opentelemetry::trace::Status::error(e.clone()));
+        }
+        span.end_with_timestamp(c.started + c.elapsed);
+    }
+}
+
+/// An agent served by a task of this process (tests, `kvfabric bench --through-agent`): its own
+/// socket directory and loopback ports, a registry handed in (e.g. a shared in-memory store),
+/// no trace export. Stops on drop or `stop`.
+#[derive(Debug)]
+pub struct InProcessAgent {
+    dir: tempfile::TempDir,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<Result<()>>>,
+    pub ready: Ready,
+}
+
+impl InProcessAgent {
+    /// `flags`: extra `kvfabric agent` flags (e.g. `--transports tcp`).
+    pub async fn start(name: &str, registry: SharedRegistry, flags: &[&str]) -> Result<Self> {
+        use clap::Parser;
+        let dir = tempfile::tempdir().map_err(|e| Error::io("agent socket dir", e))?;
+        let socket_dir = dir.path().display().to_string();
+        let mut argv = vec![
+            "kvfabric",
+            "agent",
+            "--name",
+            name,
+            "--socket-dir",
+            &socket_dir,
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--data-addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ];
+        argv.extend_from_slice(flags);
+        let cli = crate::cli::Cli::try_parse_from(argv)
+            .map_err(|e| Error::config("agent flags", flags.join(" "), e.to_string()))?;
+        let crate::cli::Command::Agent(args) = cli.command else {
+            return Err(Error::config(
+                "agent flags",
+                name,
+                "not an agent command line",
+            ));
+        };
+        let listeners = Listeners::bind(
+            dir.path(),
+            args.grpc_addr,
+            args.data_addr,
+            args.metrics_addr,
+        )
+        .await?;
+        let (stop, mut rx) = watch::channel(false);
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let telemetry = Telemetry::default();
+            serve(
+                &args,
+                listeners,
+                registry,
+                &telemetry,
+                move |r| {
+                    let _ = ready_tx.send(serde_json::to_value(r).ok());
+                },
+                async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                },
+            )
+            .await
+        });
+        let ready = match ready_rx.await {
+            Ok(Some(v)) => serde_json::from_value(v).map_err(|e| Error::io("ready", e.into()))?,
+            _ => {
+                return Err(match task.await {
+                    Ok(Err(e)) => e,
+                    _ => Error::io("agent task", std::io::Error::other("ended before ready")),
+                });
+            }
+        };
+        Ok(InProcessAgent {
+            dir,
+            stop,
+            task: Some(task),
+            ready,
+        })
+    }
+
+    pub fn socket_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Drains like SIGTERM would and returns the agent's result.
+    pub async fn stop(mut self) -> Result<()> {
+        let _ = self.stop.send(true);
+        match self.task.take() {
+            Some(t) => t
+                .await
+                .map_err(|e| Error::io("agent task", std::io::Error::other(e)))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for InProcessAgent {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
 }

@@ -2,82 +2,41 @@
 //! push by segment name over tcp and shm, and bad requests get typed gRPC statuses.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
 
-use clap::Parser;
-use kvfabric_agent::cli::{AgentArgs, Cli, Command};
 use kvfabric_agent::client::{Client, HostMemory, Op};
-use kvfabric_agent::registry::SharedRegistry;
 use kvfabric_agent::registry::memory::{MemoryRegistry, MemoryStore};
 use kvfabric_agent::rpc::pb::{self, SubmitRequest};
-use kvfabric_agent::server::{Listeners, serve};
+use kvfabric_agent::server::InProcessAgent;
 use rand::{RngCore, SeedableRng};
-use tokio::sync::watch;
 use tonic::Code;
 
-struct TestAgent {
-    dir: tempfile::TempDir,
-    stop: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<kvfabric_agent::Result<()>>,
-}
+struct TestAgent(InProcessAgent);
 
 impl TestAgent {
     async fn start(name: &str, transports: &str, store: &MemoryStore) -> TestAgent {
-        let dir = tempfile::tempdir().unwrap();
-        let cli = Cli::parse_from([
-            "kvfabric",
-            "agent",
-            "--name",
-            name,
+        let flags = [
             "--fabric",
             "test",
             "--transports",
             transports,
-            "--socket-dir",
-            dir.path().to_str().unwrap(),
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--data-addr",
-            "127.0.0.1:0",
             "--batch-timeout-ms",
             "5000",
             "--max-batch-ops",
             "1000",
-        ]);
-        let Command::Agent(args) = cli.command else {
-            unreachable!()
-        };
-        let args: AgentArgs = args;
-        let listeners = Listeners::bind(dir.path(), args.grpc_addr, args.data_addr)
-            .await
-            .unwrap();
-        let registry: SharedRegistry = store.registry();
-        let (stop, mut rx) = watch::channel(false);
-        let task = tokio::spawn(async move {
-            serve(&args, listeners, registry, |_| {}, async move {
-                let _ = rx.wait_for(|s| *s).await;
-            })
-            .await
-        });
-        let agent = TestAgent { dir, stop, task };
-        // Ready once the local socket answers.
-        for _ in 0..500 {
-            if Client::connect(agent.dir.path()).await.is_ok() {
-                return agent;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("agent {name} did not start");
+        ];
+        TestAgent(
+            InProcessAgent::start(name, store.registry(), &flags)
+                .await
+                .unwrap(),
+        )
     }
 
     fn socket_dir(&self) -> PathBuf {
-        self.dir.path().to_path_buf()
+        self.0.socket_dir().to_path_buf()
     }
 
     async fn stop(self) {
-        let _ = self.stop.send(true);
-        self.task.await.unwrap().unwrap();
+        self.0.stop().await.unwrap();
     }
 }
 
@@ -157,6 +116,36 @@ async fn pull_and_push(transports: &str, expect: &str) {
     assert_eq!(status.connections.len(), 1);
     assert_eq!(status.connections[0].transport, expect);
     assert!(status.connections[0].bytes >= 33 * block);
+
+    // The decode agent's metrics: scraped over HTTP and parsed.
+    let metrics = scrape(b.0.ready.metrics).await;
+    let peer = format!("{{transport=\"{expect}\",peer=\"node-a\"}}");
+    let value = |name: &str| -> f64 {
+        metrics
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| *v)
+            .unwrap_or_else(|| panic!("{name} missing in {metrics:?}"))
+    };
+    assert!(value(&format!("kvfabric_agent_bytes_total{peer}")) >= (33 * block) as f64);
+    assert_eq!(value(&format!("kvfabric_agent_batches_total{peer}")), 2.0);
+    assert_eq!(value("kvfabric_agent_registry_agents"), 2.0);
+    assert_eq!(value("kvfabric_agent_registry_segments"), 2.0);
+    assert_eq!(value("kvfabric_agent_open_connections"), 1.0);
+    assert_eq!(value("kvfabric_agent_local_segments"), 1.0);
+    let histogram =
+        format!("kvfabric_agent_batch_duration_seconds_count{{transport=\"{expect}\"}}");
+    assert_eq!(value(&histogram), 2.0);
+    if expect == "tcp" {
+        // The prefill agent served those bytes.
+        let served = scrape(a.0.ready.metrics).await;
+        assert!(
+            served.iter().any(|(n, v)| n
+                .starts_with("kvfabric_agent_served_bytes_total{op=\"read\"}")
+                && *v >= (32 * block) as f64),
+            "{served:?}"
+        );
+    }
 
     decode.deregister(&d).await.unwrap();
     assert!(prefill.status().await.unwrap().segments.len() == 1);
@@ -355,4 +344,31 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
     decode.submit_raw(good).await.unwrap();
     b.stop().await;
     a.stop().await;
+}
+
+/// GET /metrics and parse the OpenMetrics text into (name{labels}, value) samples.
+async fn scrape(addr: std::net::SocketAddr) -> Vec<(String, f64)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).await.unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("openmetrics-text"), "{head}");
+    assert!(body.trim_end().ends_with("# EOF"), "{body}");
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (name, value) = l
+                .rsplit_once(' ')
+                .unwrap_or_else(|| panic!("bad sample {l:?}"));
+            let value: f64 = value
+                .parse()
+                .unwrap_or_else(|_| panic!("bad value in {l:?}"));
+            (name.to_string(), value)
+        })
+        .collect()
 }

@@ -12,11 +12,11 @@ use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::cli::{AgentArgs, BenchArgs, Cli, Command};
+use crate::cli::BenchArgs;
 use crate::client::{Client, HostMemory, Op};
 use crate::error::{Error, Result};
 use crate::registry::memory::MemoryStore;
-use crate::server::{Listeners, serve};
+use crate::server::InProcessAgent;
 
 const ROUNDS: usize = 3;
 
@@ -116,43 +116,19 @@ pub async fn run(args: &BenchArgs, block: u64, per_batch: usize) -> Result<Repor
 
     // Through two agents.
     let store = MemoryStore::new();
-    let mut agents = Vec::new();
-    for name in ["bench-prefill", "bench-decode"] {
-        let dir = tempfile::tempdir().map_err(|e| Error::io("socket dir", e))?;
-        let cli = Cli::try_parse_from_args(name, dir.path(), args.connections)?;
-        let Command::Agent(agent_args) = cli.command else {
-            unreachable!("parsed an agent command")
-        };
-        let agent_args: AgentArgs = agent_args;
-        let listeners =
-            Listeners::bind(dir.path(), agent_args.grpc_addr, agent_args.data_addr).await?;
-        let registry = store.registry();
-        let mut rx = rx.clone();
-        let task = tokio::spawn(async move {
-            serve(&agent_args, listeners, registry, |_| {}, async move {
-                let _ = rx.wait_for(|s| *s).await;
-            })
-            .await
-        });
-        agents.push((dir, task));
-    }
-    let connect = |dir: &std::path::Path| {
-        let dir = dir.to_path_buf();
-        async move {
-            for _ in 0..1000 {
-                if let Ok(c) = Client::connect(&dir).await {
-                    return Ok(c);
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            Err(Error::LocalAgent {
-                path: dir.display().to_string(),
-                reason: "bench agent did not start".into(),
-            })
-        }
-    };
-    let prefill = connect(agents[0].0.path()).await?;
-    let decode = connect(agents[1].0.path()).await?;
+    let connections = args.connections.to_string();
+    let flags = [
+        "--fabric",
+        "bench",
+        "--transports",
+        "tcp",
+        "--tcp-connections",
+        &connections,
+    ];
+    let a = InProcessAgent::start("bench-prefill", store.registry(), &flags).await?;
+    let b = InProcessAgent::start("bench-decode", store.registry(), &flags).await?;
+    let prefill = Client::connect(a.socket_dir()).await?;
+    let decode = Client::connect(b.socket_dir()).await?;
     let p = prefill.register("bench-kv-src", &[&src], None).await?;
     let d = decode.register("bench-kv-dst", &[&dst], None).await?;
 
@@ -181,9 +157,8 @@ pub async fn run(args: &BenchArgs, block: u64, per_batch: usize) -> Result<Repor
         verified &= matches(&ops, &dst, &src);
     }
     let _ = stop.send(true);
-    for (_, task) in agents {
-        let _ = task.await;
-    }
+    b.stop().await?;
+    a.stop().await?;
     let _ = serving.await;
     let (e, a) = (median(&engine_gbps), median(&agent_gbps));
     if !verified {
@@ -239,32 +214,6 @@ where
         }
     }
     Ok(bytes as f64 / start.elapsed().as_secs_f64() / 1e9)
-}
-
-impl Cli {
-    /// The agent command line the bench runs its in-process agents with.
-    fn try_parse_from_args(name: &str, dir: &std::path::Path, connections: usize) -> Result<Cli> {
-        use clap::Parser;
-        Cli::try_parse_from([
-            "kvfabric".to_string(),
-            "agent".into(),
-            "--name".into(),
-            name.into(),
-            "--fabric".into(),
-            "bench".into(),
-            "--transports".into(),
-            "tcp".into(),
-            "--socket-dir".into(),
-            dir.display().to_string(),
-            "--grpc-addr".into(),
-            "127.0.0.1:0".into(),
-            "--data-addr".into(),
-            "127.0.0.1:0".into(),
-            "--tcp-connections".into(),
-            connections.to_string(),
-        ])
-        .map_err(|e| Error::config("agent", name, e.to_string()))
-    }
 }
 
 pub fn table(r: &Report) -> String {

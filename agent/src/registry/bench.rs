@@ -405,21 +405,6 @@ fn segment_entry(name: &str, agent: &str, cfg: &RegistryBenchConfig) -> SegmentE
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn latency_percentiles() {
-        let l = Latency::of((1..=100).map(Duration::from_micros).collect());
-        assert_eq!(
-            (l.count, l.p50_us, l.p99_us, l.max_us),
-            (100, 50.0, 99.0, 100.0)
-        );
-        assert_eq!(Latency::of(Vec::new()).count, 0);
-    }
-}
-
 /// `kvfabric registry-bench`: runs against the given etcd or a private one, prints a table with
 /// the targets (lookup p99 ≤ 1 ms, visibility p99 ≤ 100 ms).
 pub async fn main(args: crate::cli::RegistryBenchArgs) -> Result<()> {
@@ -513,4 +498,19 @@ pub async fn main(args: crate::cli::RegistryBenchArgs) -> Result<()> {
     }
     drop(private);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_percentiles() {
+        let l = Latency::of((1..=100).map(Duration::from_micros).collect());
+        assert_eq!(
+            (l.count, l.p50_us, l.p99_us, l.max_us),
+            (100, 50.0, 99.0, 100.0)
+        );
+        assert_eq!(Latency::of(Vec::new()).count, 0);
+    }
 }

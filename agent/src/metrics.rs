@@ -1,0 +1,158 @@
+//! Prometheus metrics of the agent, served at `/metrics` (OpenMetrics text).
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicI64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LinkLabels {
+    pub transport: String,
+    pub peer: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransportLabels {
+    pub transport: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// The error's stable code (`wrong_key`, `timeout`, `peer_closed`, ...).
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServedLabels {
+    pub op: String,
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// Bytes moved for local workers, by transport and peer agent.
+    pub bytes: Family<LinkLabels, Counter>,
+    /// Batches completed for local workers, by transport and peer agent.
+    pub batches: Family<LinkLabels, Counter>,
+    /// Submit-to-completion time of those batches.
+    pub batch_seconds: Family<TransportLabels, Histogram>,
+    /// Failed requests, by error kind.
+    pub errors: Family<ErrorLabels, Counter>,
+    /// Bytes this agent served to peers (tcp target side), by op.
+    pub served_bytes: Family<ServedLabels, Counter>,
+    pub open_connections: Gauge,
+    pub registry_connected: Gauge,
+    pub registry_agents: Gauge,
+    pub registry_segments: Gauge,
+    pub registry_reregistrations: Gauge,
+    pub local_segments: Gauge,
+    /// Spans handed to the collector, and spans lost (collector down, queue full).
+    pub spans_exported: Counter,
+    pub spans_dropped: Counter,
+}
+
+fn histogram() -> Histogram {
+    // 10 µs .. ~20 s: a 4 KiB pull up to a stalled multi-GiB batch.
+    Histogram::new(exponential_buckets(1e-5, 2.0, 22))
+}
+
+impl Metrics {
+    /// The span counters belong to the trace exporter; the metrics only publish them.
+    pub fn new(spans: &crate::telemetry::SpanCounters) -> Self {
+        let mut registry = Registry::with_prefix("kvfabric_agent");
+        let m = Metrics {
+            bytes: Family::default(),
+            batches: Family::default(),
+            batch_seconds: Family::new_with_constructor(histogram),
+            errors: Family::default(),
+            served_bytes: Family::default(),
+            open_connections: Gauge::<i64, AtomicI64>::default(),
+            registry_connected: Gauge::default(),
+            registry_agents: Gauge::default(),
+            registry_segments: Gauge::default(),
+            registry_reregistrations: Gauge::default(),
+            local_segments: Gauge::default(),
+            spans_exported: spans.exported.clone(),
+            spans_dropped: spans.dropped.clone(),
+            registry: Registry::default(),
+        };
+        registry.register("bytes", "Bytes moved for local workers", m.bytes.clone());
+        registry.register(
+            "batches",
+            "Batches completed for local workers",
+            m.batches.clone(),
+        );
+        registry.register(
+            "batch_duration_seconds",
+            "Submit-to-completion time of a batch",
+            m.batch_seconds.clone(),
+        );
+        registry.register("errors", "Failed requests by error kind", m.errors.clone());
+        registry.register(
+            "served_bytes",
+            "Bytes served to peer agents",
+            m.served_bytes.clone(),
+        );
+        registry.register(
+            "open_connections",
+            "Data connections to peer agents",
+            m.open_connections.clone(),
+        );
+        registry.register(
+            "registry_connected",
+            "1 when the registry answered last",
+            m.registry_connected.clone(),
+        );
+        registry.register(
+            "registry_agents",
+            "Agents in the registry cache",
+            m.registry_agents.clone(),
+        );
+        registry.register(
+            "registry_segments",
+            "Segments in the registry cache",
+            m.registry_segments.clone(),
+        );
+        registry.register(
+            "registry_reregistrations",
+            "Times the lease was lost and everything re-registered",
+            m.registry_reregistrations.clone(),
+        );
+        registry.register(
+            "local_segments",
+            "Segments registered with this agent",
+            m.local_segments.clone(),
+        );
+        registry.register(
+            "spans_exported",
+            "Spans the OTLP exporter delivered",
+            m.spans_exported.clone(),
+        );
+        registry.register(
+            "spans_dropped",
+            "Spans lost because the collector could not take them",
+            m.spans_dropped.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    pub fn error(&self, kind: &str) {
+        self.errors
+            .get_or_create(&ErrorLabels { kind: kind.into() })
+            .inc();
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+pub type SharedMetrics = Arc<Metrics>;
