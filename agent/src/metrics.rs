@@ -156,3 +156,42 @@ impl Metrics {
 }
 
 pub type SharedMetrics = Arc<Metrics>;
+
+/// GETs an agent's `/metrics` and parses the OpenMetrics text into (`name{labels}`, value)
+/// samples: for tests and tools that read an agent's numbers.
+pub async fn scrape(addr: std::net::SocketAddr) -> crate::Result<Vec<(String, f64)>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fail =
+        |reason: String| crate::Error::io(format!("scrape {addr}"), std::io::Error::other(reason));
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| crate::Error::io(format!("connect {addr}"), e))?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+        .await
+        .map_err(|e| crate::Error::io(format!("scrape {addr}"), e))?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw)
+        .await
+        .map_err(|e| crate::Error::io(format!("scrape {addr}"), e))?;
+    let (head, body) = raw
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| fail("no HTTP header".into()))?;
+    if !head.starts_with("HTTP/1.1 200") || !head.contains("openmetrics-text") {
+        return Err(fail(format!("unexpected answer: {head}")));
+    }
+    if !body.trim_end().ends_with("# EOF") {
+        return Err(fail("truncated exposition (no # EOF)".into()));
+    }
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (name, value) = l
+                .rsplit_once(' ')
+                .ok_or_else(|| fail(format!("bad sample {l:?}")))?;
+            let value: f64 = value
+                .parse()
+                .map_err(|_| fail(format!("bad value in {l:?}")))?;
+            Ok((name.to_string(), value))
+        })
+        .collect()
+}

@@ -183,6 +183,13 @@ impl SpanExporter for Counted {
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
         self.inner.shutdown_with_timeout(timeout)
     }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        // Called once when the provider is built, before any export shares `inner`.
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.set_resource(resource);
+        }
+    }
 }
 
 /// The W3C trace context of the current `tracing` span, for the data plane.

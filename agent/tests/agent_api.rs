@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use kvfabric_agent::client::{Client, HostMemory, Op};
+use kvfabric_agent::metrics::scrape;
 use kvfabric_agent::registry::memory::{MemoryRegistry, MemoryStore};
 use kvfabric_agent::rpc::pb::{self, SubmitRequest};
 use kvfabric_agent::server::InProcessAgent;
@@ -118,7 +119,7 @@ async fn pull_and_push(transports: &str, expect: &str) {
     assert!(status.connections[0].bytes >= 33 * block);
 
     // The decode agent's metrics: scraped over HTTP and parsed.
-    let metrics = scrape(b.0.ready.metrics).await;
+    let metrics = scrape(b.0.ready.metrics).await.unwrap();
     let peer = format!("{{transport=\"{expect}\",peer=\"node-a\"}}");
     let value = |name: &str| -> f64 {
         metrics
@@ -138,7 +139,7 @@ async fn pull_and_push(transports: &str, expect: &str) {
     assert_eq!(value(&histogram), 2.0);
     if expect == "tcp" {
         // The prefill agent served those bytes.
-        let served = scrape(a.0.ready.metrics).await;
+        let served = scrape(a.0.ready.metrics).await.unwrap();
         assert!(
             served.iter().any(|(n, v)| n
                 .starts_with("kvfabric_agent_served_bytes_total{op=\"read\"}")
@@ -344,31 +345,4 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
     decode.submit_raw(good).await.unwrap();
     b.stop().await;
     a.stop().await;
-}
-
-/// GET /metrics and parse the OpenMetrics text into (name{labels}, value) samples.
-async fn scrape(addr: std::net::SocketAddr) -> Vec<(String, f64)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).await.unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(head.contains("openmetrics-text"), "{head}");
-    assert!(body.trim_end().ends_with("# EOF"), "{body}");
-    body.lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .map(|l| {
-            let (name, value) = l
-                .rsplit_once(' ')
-                .unwrap_or_else(|| panic!("bad sample {l:?}"));
-            let value: f64 = value
-                .parse()
-                .unwrap_or_else(|_| panic!("bad value in {l:?}"));
-            (name.to_string(), value)
-        })
-        .collect()
 }

@@ -10,33 +10,36 @@ use serde::Deserialize;
 
 use crate::net::Host;
 
-/// The `kvfabric` binary of this workspace (built on demand when a lone `cargo test -p
-/// kvfabric-e2e` has not built it yet).
+/// The `kvfabric` binary of this workspace, rebuilt once per test process when stale (a lone
+/// `cargo test -p kvfabric-e2e` does not rebuild other packages' binaries).
 pub fn kvfabric_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    // target/<profile>/deps/<test> → target/<profile>/kvfabric
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target profile dir");
-    let bin = profile_dir.join("kvfabric");
-    if !bin.exists() {
-        let release = profile_dir.ends_with("release");
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test binary path");
+        // target/<profile>/deps/<test> → target/<profile>/kvfabric
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("target profile dir")
+            .to_path_buf();
         let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-        cargo.args(["build", "-p", "kvfabric-agent", "--bin", "kvfabric"]);
-        if release {
+        cargo.args(["build", "-q", "-p", "kvfabric-agent", "--bin", "kvfabric"]);
+        if profile_dir.ends_with("release") {
             cargo.arg("--release");
         }
-        let ok = cargo.status().map(|s| s.success()).unwrap_or(false);
-        assert!(ok && bin.exists(), "could not build {}", bin.display());
-    }
-    bin
+        let bin = profile_dir.join("kvfabric");
+        let built = cargo.status().map(|s| s.success()).unwrap_or(false);
+        assert!(built || bin.exists(), "could not build {}", bin.display());
+        bin
+    })
+    .clone()
 }
 
 #[derive(Debug, Deserialize)]
 pub struct Ready {
     pub agent: String,
     pub peer: SocketAddr,
+    pub metrics: SocketAddr,
     pub data: SocketAddr,
     pub socket_dir: PathBuf,
     pub registry: String,
@@ -53,6 +56,17 @@ pub struct AgentProcess {
 impl AgentProcess {
     /// Starts an agent on `host` with `etcd` endpoints and extra flags; waits for its ready line.
     pub fn spawn(name: &str, host: &Host, etcd: &str, extra: &[&str]) -> AgentProcess {
+        AgentProcess::spawn_env(name, host, etcd, extra, &[])
+    }
+
+    /// Like [`AgentProcess::spawn`], with extra environment variables.
+    pub fn spawn_env(
+        name: &str,
+        host: &Host,
+        etcd: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> AgentProcess {
         let dir = tempfile::tempdir().expect("socket dir");
         let bin = kvfabric_bin();
         let ip = host.ip.to_string();
@@ -67,6 +81,8 @@ impl AgentProcess {
             "--grpc-addr".into(),
             format!("{ip}:0"),
             "--data-addr".into(),
+            format!("{ip}:0"),
+            "--metrics-addr".into(),
             format!("{ip}:0"),
             "--advertise-addr".into(),
             ip,
@@ -83,6 +99,7 @@ impl AgentProcess {
             None => Command::new(&bin),
         };
         cmd.args(&args)
+            .envs(env.iter().copied())
             .env("KVFABRIC_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(Stdio::from(

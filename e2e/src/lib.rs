@@ -4,6 +4,7 @@
 
 pub mod agent;
 pub mod net;
+pub mod otlp;
 pub mod worker;
 
 pub use agent::{AgentProcess, kvfabric_bin};
