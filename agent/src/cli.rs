@@ -166,6 +166,11 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with_all = ["serve", "connect"])]
     pub through_agent: bool,
 
+    /// With --through-agent: export every span (100% sampling) over OTLP to a receiver in this
+    /// process, to measure what tracing costs.
+    #[arg(long, requires = "through_agent")]
+    pub trace: bool,
+
     /// Skip the single-block latency row of the default run.
     #[arg(long)]
     pub no_latency: bool,

@@ -10,6 +10,7 @@ pub mod fd_socket;
 pub mod local_api;
 pub mod metrics;
 pub mod node;
+pub mod otlp_sink;
 pub mod peer_api;
 pub mod peer_link;
 pub mod registry;

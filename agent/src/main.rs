@@ -33,17 +33,29 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        // Only the agent exports traces; the other commands log.
+        // The agent exports traces where configured, `bench --trace` to a receiver of its own;
+        // the other commands only log.
+        let sink = match &cli.command {
+            Command::Bench(b) if b.trace => {
+                Some(kvfabric_agent::otlp_sink::Receiver::start([127, 0, 0, 1].into()).await?)
+            }
+            _ => None,
+        };
         let trace = match &cli.command {
             Command::Agent(a) => Some(TraceConfig::resolve(
                 a.otlp_endpoint.clone(),
                 a.trace_sample_ratio,
             )),
+            Command::Bench(_) => sink.as_ref().map(|s| TraceConfig {
+                endpoint: Some(s.endpoint()),
+                sample_ratio: Some(1.0),
+                service_name: Some("kvfabric-bench".into()),
+            }),
             _ => None,
         };
         let telemetry = telemetry::init(filter, trace, "kvfabric-agent")?;
         let result = match cli.command {
-            Command::Bench(args) => kvfabric_agent::bench::run(args).await,
+            Command::Bench(args) => kvfabric_agent::bench::run(args, &telemetry).await,
             Command::Agent(args) => {
                 kvfabric_agent::server::run(args, &telemetry, kvfabric_agent::shutdown::signal())
                     .await

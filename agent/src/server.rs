@@ -422,8 +422,8 @@ impl ServeObserver for ServedSpans {
 }
 
 /// An agent served by a task of this process (tests, `kvfabric bench --through-agent`): its own
-/// socket directory and loopback ports, a registry handed in (e.g. a shared in-memory store),
-/// no trace export. Stops on drop or `stop`.
+/// socket directory and loopback ports, a registry handed in (e.g. a shared in-memory store).
+/// Stops on drop or `stop`.
 #[derive(Debug)]
 pub struct InProcessAgent {
     dir: tempfile::TempDir,
@@ -433,8 +433,14 @@ pub struct InProcessAgent {
 }
 
 impl InProcessAgent {
-    /// `flags`: extra `kvfabric agent` flags (e.g. `--transports tcp`).
-    pub async fn start(name: &str, registry: SharedRegistry, flags: &[&str]) -> Result<Self> {
+    /// `flags`: extra `kvfabric agent` flags (e.g. `--transports tcp`). `telemetry`: this
+    /// process's trace pipeline (`Telemetry::default()`: none).
+    pub async fn start(
+        name: &str,
+        registry: SharedRegistry,
+        telemetry: Telemetry,
+        flags: &[&str],
+    ) -> Result<Self> {
         use clap::Parser;
         let dir = tempfile::tempdir().map_err(|e| Error::io("agent socket dir", e))?;
         let socket_dir = dir.path().display().to_string();
@@ -472,7 +478,6 @@ impl InProcessAgent {
         let (stop, mut rx) = watch::channel(false);
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
-            let telemetry = Telemetry::default();
             serve(
                 &args,
                 listeners,

@@ -22,6 +22,7 @@ use opentelemetry_sdk::trace::{
 use prometheus_client::metrics::counter::Counter;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -60,8 +61,8 @@ pub struct SpanCounters {
     pub dropped: Counter,
 }
 
-/// Keeps the trace pipeline alive; `shutdown` flushes what is queued (bounded).
-#[derive(Debug, Default)]
+/// Keeps the trace pipeline alive; `shutdown` flushes what is queued (bounded). Clones share it.
+#[derive(Debug, Default, Clone)]
 pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
     pub counters: SpanCounters,
@@ -70,6 +71,13 @@ pub struct Telemetry {
 impl Telemetry {
     pub fn tracing_enabled(&self) -> bool {
         self.provider.is_some()
+    }
+
+    /// Exports what is queued now (bounded by the exporter's timeout).
+    pub fn flush(&self) {
+        if let Some(p) = &self.provider {
+            let _ = p.force_flush();
+        }
     }
 
     pub fn shutdown(&self) {
@@ -87,12 +95,12 @@ pub fn init(
     trace: Option<TraceConfig>,
     default_service: &str,
 ) -> Result<Telemetry> {
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // The log filter picks what is printed; traces keep every kvfabric span whatever it says.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_filter(filter);
     let Some(cfg) = trace.filter(|c| c.endpoint.is_some()) else {
-        let _ = tracing_subscriber::registry()
-            .with(filter)
-            .with(fmt)
-            .try_init();
+        let _ = tracing_subscriber::registry().with(fmt).try_init();
         return Ok(Telemetry::default());
     };
     let endpoint = cfg.endpoint.clone().unwrap_or_default();
@@ -122,9 +130,13 @@ pub fn init(
     }
     let provider = builder.build();
     opentelemetry::global::set_tracer_provider(provider.clone());
-    let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("kvfabric"));
+    let spans = tracing_subscriber::filter::Targets::new()
+        .with_target("kvfabric_agent", tracing::Level::INFO)
+        .with_target("kvfabric_engine", tracing::Level::INFO);
+    let layer = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("kvfabric"))
+        .with_filter(spans);
     let _ = tracing_subscriber::registry()
-        .with(filter)
         .with(fmt)
         .with(layer)
         .try_init();

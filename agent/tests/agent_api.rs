@@ -8,6 +8,7 @@ use kvfabric_agent::metrics::scrape;
 use kvfabric_agent::registry::memory::{MemoryRegistry, MemoryStore};
 use kvfabric_agent::rpc::pb::{self, SubmitRequest};
 use kvfabric_agent::server::InProcessAgent;
+use kvfabric_agent::telemetry::Telemetry;
 use rand::{RngCore, SeedableRng};
 use tonic::Code;
 
@@ -26,7 +27,7 @@ impl TestAgent {
             "1000",
         ];
         TestAgent(
-            InProcessAgent::start(name, store.registry(), &flags)
+            InProcessAgent::start(name, store.registry(), Telemetry::default(), &flags)
                 .await
                 .unwrap(),
         )

@@ -4,7 +4,6 @@
 
 pub mod agent;
 pub mod net;
-pub mod otlp;
 pub mod worker;
 
 pub use agent::{AgentProcess, kvfabric_bin};

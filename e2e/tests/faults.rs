@@ -132,7 +132,7 @@ async fn etcd_down_keeps_transfers_going_and_agents_re_register_within_a_ttl() {
 
     p.etcd.start_again().await.unwrap();
     let back = Instant::now();
-    let mut kv = p.etcd.client().await.unwrap();
+    let kv = p.etcd.client().await.unwrap();
     let took = within(
         Duration::from_secs(TTL_SECS * 3),
         "both agents and segments back in etcd",

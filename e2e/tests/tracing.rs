@@ -10,8 +10,8 @@ use std::time::Duration;
 use common::{BLOCK, etcd_on, sees, within};
 use kvfabric_agent::client::Client;
 use kvfabric_agent::metrics::scrape;
+use kvfabric_agent::otlp_sink::{Receiver, Span};
 use kvfabric_agent::telemetry::{self, TraceConfig};
-use kvfabric_e2e::otlp::{Receiver, Span};
 use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
 use kvfabric_e2e::{AgentProcess, Network};
 use tracing::Instrument;
@@ -28,7 +28,7 @@ async fn one_trace_spans_the_worker_both_agents_and_the_transport() {
     let Some(etcd) = etcd_on(net.gateway).await else {
         return;
     };
-    let receiver = Receiver::start(net.gateway).await;
+    let receiver = Receiver::start(net.gateway).await.unwrap();
     // This process is the decode worker; it exports its spans to the same receiver.
     let worker = telemetry::init(
         tracing_subscriber::EnvFilter::new("info"),

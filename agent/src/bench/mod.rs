@@ -30,7 +30,7 @@ use layout::Layout;
 /// The single-block row: how long one 4 KiB pull takes, against a raw TCP ping-pong.
 const LATENCY_BLOCK: u64 = 4096;
 
-pub async fn run(args: BenchArgs) -> Result<()> {
+pub async fn run(args: BenchArgs, telemetry: &crate::telemetry::Telemetry) -> Result<()> {
     if let Some(addr) = args.serve {
         return server::run(&args, addr, crate::shutdown::signal()).await;
     }
@@ -42,7 +42,9 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         let per_batch = args
             .blocks_per_batch
             .unwrap_or(layout.ops_per_request() as usize);
-        let report = through_agent::run(&args, block, per_batch).await?;
+        let report = through_agent::run(&args, telemetry, block, per_batch).await?;
+        // Spans still queued are flushed (and counted) before the report is printed.
+        telemetry.flush();
         if args.json {
             println!(
                 "{}",

@@ -17,6 +17,7 @@ use crate::client::{Client, HostMemory, Op};
 use crate::error::{Error, Result};
 use crate::registry::memory::MemoryStore;
 use crate::server::InProcessAgent;
+use crate::telemetry::Telemetry;
 
 const ROUNDS: usize = 3;
 
@@ -32,6 +33,10 @@ pub struct Report {
     /// through the agents / engine only.
     pub ratio: f64,
     pub verified: bool,
+    /// Every span exported (100% sampling) to an in-process OTLP receiver.
+    pub tracing: bool,
+    pub spans_exported: u64,
+    pub spans_dropped: u64,
 }
 
 fn dup(m: &HostMemory) -> Result<OwnedFd> {
@@ -47,7 +52,12 @@ fn median(v: &[f64]) -> f64 {
     s[s.len() / 2]
 }
 
-pub async fn run(args: &BenchArgs, block: u64, per_batch: usize) -> Result<Report> {
+pub async fn run(
+    args: &BenchArgs,
+    telemetry: &Telemetry,
+    block: u64,
+    per_batch: usize,
+) -> Result<Report> {
     let batch_bytes = block * per_batch as u64;
     let pool = args.pool_bytes.max(batch_bytes);
     let blocks_in_pool = pool / block;
@@ -125,8 +135,10 @@ pub async fn run(args: &BenchArgs, block: u64, per_batch: usize) -> Result<Repor
         "--tcp-connections",
         &connections,
     ];
-    let a = InProcessAgent::start("bench-prefill", store.registry(), &flags).await?;
-    let b = InProcessAgent::start("bench-decode", store.registry(), &flags).await?;
+    let a =
+        InProcessAgent::start("bench-prefill", store.registry(), telemetry.clone(), &flags).await?;
+    let b =
+        InProcessAgent::start("bench-decode", store.registry(), telemetry.clone(), &flags).await?;
     let prefill = Client::connect(a.socket_dir()).await?;
     let decode = Client::connect(b.socket_dir()).await?;
     let p = prefill.register("bench-kv-src", &[&src], None).await?;
@@ -178,6 +190,9 @@ pub async fn run(args: &BenchArgs, block: u64, per_batch: usize) -> Result<Repor
         agent_median_gbps: a,
         ratio: a / e,
         verified,
+        tracing: telemetry.tracing_enabled(),
+        spans_exported: telemetry.counters.exported.get(),
+        spans_dropped: telemetry.counters.dropped.get(),
     })
 }
 
@@ -246,8 +261,16 @@ pub fn table(r: &Report) -> String {
         rounds(&r.agent_gbps),
         format!("{:.2}", r.agent_median_gbps),
     ]);
+    let tracing = if r.tracing {
+        format!(
+            "tracing on (100% sampled, OTLP to an in-process receiver): {} spans exported, {} dropped",
+            r.spans_exported, r.spans_dropped
+        )
+    } else {
+        "tracing off".into()
+    };
     format!(
-        "{t}\nthrough the agents: {:.1}% of engine only (target ≥ 95%); every byte verified: {}",
+        "{t}\nthrough the agents: {:.1}% of engine only (target ≥ 95%); every byte verified: {}; {tracing}",
         r.ratio * 100.0,
         r.verified
     )

@@ -1,4 +1,6 @@
-//! An OTLP/gRPC trace receiver inside the test: collects every span agents and workers export.
+//! An OTLP/gRPC trace receiver: collects every span sent to it. The e2e tests check traces with
+//! it; `kvfabric bench --through-agent --trace` exports to one in-process, so tracing costs what
+//! it would against a real collector.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
@@ -52,7 +54,7 @@ impl TraceService for Sink {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut out = self.0.lock().unwrap();
+        let mut out = self.0.lock().unwrap_or_else(|e| e.into_inner());
         for rs in request.into_inner().resource_spans {
             let service = rs
                 .resource
@@ -92,7 +94,7 @@ pub struct Receiver {
 }
 
 impl Receiver {
-    pub async fn start(ip: IpAddr) -> Receiver {
+    pub async fn start(ip: IpAddr) -> crate::Result<Receiver> {
         let listener = tokio::net::TcpListener::bind((ip, 0))
             .await
             .expect("bind OTLP receiver");
@@ -105,7 +107,7 @@ impl Receiver {
                 .serve_with_incoming(TcpListenerStream::new(listener))
                 .await;
         });
-        Receiver { addr, sink, task }
+        Ok(Receiver { addr, sink, task })
     }
 
     pub fn endpoint(&self) -> String {
@@ -113,7 +115,15 @@ impl Receiver {
     }
 
     pub fn spans(&self) -> Vec<Span> {
-        self.sink.0.lock().unwrap().clone()
+        self.sink
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn count(&self) -> usize {
+        self.sink.0.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }
 
