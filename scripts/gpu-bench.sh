@@ -2,17 +2,22 @@
 # GPU correctness and benchmark job for the 2-GPU machine. Needs no Rust toolchain: give it a
 # prebuilt release binary (cargo build --release --bin kvfabric; the `cuda` feature is default).
 #
-#   NCCL_NVLS_ENABLE=0 bash scripts/gpu-bench.sh ./kvfabric [quick|sm]
+#   NCCL_NVLS_ENABLE=0 bash scripts/gpu-bench.sh ./kvfabric [quick|sm|tcp]
 #
 # 1. correctness: `kvfabric gpu-selftest` (random sizes, unaligned offsets, both directions,
 #    sm and ce), the engine's GPU tests when their binary travels along (engine-cuda-tests), and
 #    every bench row verifies every destination byte after its timed phase;
 # 2. the sweep: 4 KiB … 1 MiB blocks, 512 MiB per batch, read and write, sm and ce, then both
 #    directions at once, then the single 4 KiB op latency (blocking and spinning completion);
-# 3. the peers of shared/tools/gpu_baselines.py in the same job (PyTorch, NCCL);
-# 4. a short table, last. JSON lines go to $OUT (kvfabric.jsonl, baselines.jsonl).
+# 3. GPU memory over tcp (staged through pinned host buffers) next to host memory over tcp, same
+#    shapes, one after the other: cuda:0 → host and host → host (and cuda:0 ↔ cuda:1), 64 KiB …
+#    1 MiB blocks, read and write (`tcp` mode runs only these after the correctness steps);
+# 4. the peers of shared/tools/gpu_baselines.py in the same job (PyTorch, NCCL);
+# 5. a short table, last, with gpu-tcp / host-tcp ratios. JSON lines go to $OUT
+#    (kvfabric.jsonl, baselines.jsonl). TESTS_BIN names the engine's GPU test binary if it is
+#    not engine-cuda-tests beside this script.
 set -uo pipefail
-bin="$(realpath "${1:?usage: gpu-bench.sh path/to/kvfabric [quick|sm]}")"
+bin="$(realpath "${1:?usage: gpu-bench.sh path/to/kvfabric [quick|sm|tcp]}")"
 mode="${2:-full}"
 here="$(cd "$(dirname "$0")" && pwd)"
 # NVLink multicast stays off: a program using it can take the host's shared GPUs down.
@@ -34,7 +39,7 @@ step() { echo "== $*" | tee -a "$log" >&2; }
 
 step "selftest"
 rounds=8
-[[ "$mode" == quick ]] && rounds=2
+[[ "$mode" == quick || "$mode" == tcp ]] && rounds=2
 if ! "$bin" gpu-selftest --devices "0,$peer" --rounds "$rounds" 2>>"$log" | tee "$OUT/selftest.json"; then
   echo "SELFTEST FAILED" | tee -a "$log"
   failed=1
@@ -42,9 +47,10 @@ fi
 
 # The engine's GPU tests, when their prebuilt binary travels beside this script
 # (cargo test --release -p kvfabric-engine --features cuda --test cuda --no-run).
-if [[ -x "$here/engine-cuda-tests" ]]; then
+tests_bin="${TESTS_BIN:-$here/engine-cuda-tests}"
+if [[ -x "$tests_bin" ]]; then
   step "engine GPU tests"
-  if ! "$here/engine-cuda-tests" --test-threads=1 --nocapture >>"$log" 2>&1; then
+  if ! timeout 300 "$tests_bin" --test-threads=1 --nocapture >>"$log" 2>&1; then
     echo "ENGINE GPU TESTS FAILED" | tee -a "$log"
     failed=1
   fi
@@ -60,7 +66,36 @@ bench() {
   fi
 }
 
-if [[ "$mode" == quick ]]; then
+# GPU memory over tcp against host memory over tcp on the same path (loopback), same shape,
+# one right after the other. The label goes into each JSON row as "pair".
+tcp_row() {
+  local label=$1
+  shift
+  step "tcp $label $*"
+  if ! timeout 120 "$bin" bench --json --transport tcp --pool-bytes 512MiB --duration 2 "$@" \
+      2>>"$log" | sed "s/^{/{\"pair\":\"$label\",/" >>"$rows"; then
+    echo "BENCH FAILED: tcp $label $*" | tee -a "$log"
+    failed=1
+  fi
+}
+tcp_rows() {
+  for bs in 65536 262144 1048576; do
+    local n=$(((16 << 20) / bs))
+    for op in write read; do
+      local shape=(--op "$op" --block-size "$bs" --blocks-per-batch "$n")
+      tcp_row host-tcp --location host --peer-location host "${shape[@]}"
+      tcp_row gpu-tcp --location cuda:0 --peer-location host "${shape[@]}"
+      if [[ "$ngpu" -ge 2 ]]; then
+        tcp_row gpu-gpu-tcp --location cuda:0 --peer-location "cuda:$peer" "${shape[@]}"
+      fi
+    done
+  done
+}
+
+if [[ "$mode" == tcp ]]; then
+  sizes=()
+  paths=()
+elif [[ "$mode" == quick ]]; then
   sizes=(65536)
   paths=(sm)
 elif [[ "$mode" == sm ]]; then
@@ -83,11 +118,14 @@ for path in "${paths[@]}"; do
       --concurrency 24 --bidirectional --no-latency
   done
 done
-bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read
-bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read --cuda-spin
+if [[ "$mode" != tcp ]]; then
+  bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read
+  bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read --cuda-spin
+fi
+[[ "$mode" == quick ]] || tcp_rows
 
 step "peers (gpu_baselines.py)"
-if [[ "$ngpu" -ge 2 ]]; then
+if [[ "$ngpu" -ge 2 && "$mode" != tcp ]]; then
   args=(--skip-nccl)
   [[ "$mode" == quick ]] && args=(--sizes 65536 --skip-nccl --iters 4)
   timeout 150 python3 "$here/gpu_baselines.py" "${args[@]}" >"$OUT/baselines.jsonl" 2>>"$log" ||
@@ -112,8 +150,20 @@ def size(n):
 print(f"{'transport':<14}{'op':<6}{'block':>8}{'GB/s':>9}{'p50 us':>9}  {'ceiling':<29}{'ratio':>7}  verified")
 for r in rows:
     ceil = f"{r['ceiling_p50_us']:.1f} us" if r.get("ceiling_p50_us") else f"{r['ceiling_gbps']:.1f} GB/s"
-    print(f"{r['transport']:<14}{r['op']:<6}{size(r['block_size']):>8}{r['gbps']:>9.1f}{r['p50_us']:>9.1f}  "
+    print(f"{r.get('pair', r['transport']):<14}{r['op']:<6}{size(r['block_size']):>8}{r['gbps']:>9.2f}{r['p50_us']:>9.1f}  "
           f"{r['ceiling_name'][:18] + ' ' + ceil:<29}{r['ratio'] * 100:>6.0f}%  {'yes' if r['verified'] else 'NO'}")
+tcp = {(r["pair"], r["op"], r["block_size"]): r["gbps"] for r in rows if "pair" in r}
+shapes = sorted({(op, bs) for (_, op, bs) in tcp}, key=lambda k: (k[0], k[1]))
+if shapes:
+    print("GPU memory over tcp (pinned staging) / host memory over tcp, same path and shape (target >= 90%):")
+    print(f"  {'op':<6}{'block':>8}{'host-tcp':>10}{'gpu-tcp':>9}{'ratio':>7}{'gpu-gpu':>9}{'ratio':>7}")
+    for op, bs in shapes:
+        h = tcp.get(("host-tcp", op, bs))
+        cells = []
+        for pair in ("gpu-tcp", "gpu-gpu-tcp"):
+            g = tcp.get((pair, op, bs))
+            cells.append(f"{g:>9.2f}{g / h * 100:>6.0f}%" if g and h else f"{'-':>9}{'-':>7}")
+        print(f"  {op:<6}{size(bs):>8}{(h or 0):>10.2f}{cells[0]}{cells[1]}")
 if peers:
     print("peers (same job):")
     for p in peers:

@@ -195,6 +195,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub bidirectional: bool,
 
+    /// Pinned host bytes per tcp connection and direction through which GPU memory travels over
+    /// tcp (0: GPU memory over tcp and shm is refused with StagingNotConfigured).
+    #[arg(long, env = "KVFABRIC_STAGING_BYTES", default_value = "8MiB", value_parser = bytesize::parse)]
+    pub staging_bytes: u64,
+
     #[command(flatten)]
     pub layout: LayoutArgs,
 }

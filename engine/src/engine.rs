@@ -54,6 +54,13 @@ pub struct EngineConfig {
     /// cuda-ipc pushes run on the peer's GPU (which then pulls from ours) when this process can
     /// use that GPU, so each GPU pulls and both link directions carry data at once.
     pub cuda_push_by_peer: bool,
+    /// GPU memory over tcp goes through pinned host buffers: this many bytes per tcp connection
+    /// and direction (a ring of units of up to 1 MiB; the copy of one unit overlaps the socket
+    /// I/O of another), allocated at the first GPU batch and reused. Over shm, GPU memory is
+    /// copied straight to and from the peer's mapping (page-locked once), and this only needs to
+    /// be non-zero. 0 turns GPU memory over tcp and shm off: such ops fail with
+    /// `StagingNotConfigured`. Default: 2 × the default `chunk_bytes` (8 MiB).
+    pub staging_bytes: u64,
     /// Told about every chunk this engine served for a peer (tcp target side), with the trace
     /// context the initiator sent: how an embedding agent traces the work it does for others.
     pub observer: Option<Arc<dyn ServeObserver>>,
@@ -95,6 +102,7 @@ impl Default for EngineConfig {
             spin_wait: Duration::ZERO,
             cuda_push_by_peer: true,
             observer: None,
+            staging_bytes: 2 * (4 << 20),
         }
     }
 }
@@ -134,6 +142,13 @@ impl EngineConfig {
         }
         if self.batch_timeout.is_zero() {
             return bad("batch_timeout", "0".into(), "must be positive");
+        }
+        if self.staging_bytes != 0 && self.staging_bytes < crate::transport::staging::STAGING_MIN {
+            return bad(
+                "staging_bytes",
+                self.staging_bytes.to_string(),
+                "must be 0 (off) or >= 8192",
+            );
         }
         Ok(())
     }
@@ -360,6 +375,7 @@ impl Engine {
                     let opts = TcpOptions {
                         connections: inner.config.tcp_connections,
                         chunk_bytes: inner.config.chunk_bytes,
+                        staging_bytes: inner.config.staging_bytes,
                     };
                     let (link, d) = TcpLink::connect(addr, &hello, opts)?;
                     (Box::new(link), d)
@@ -445,8 +461,10 @@ impl Peer {
         self.link.mapped()
     }
 
-    /// GPU memory goes over cuda-ipc (device on both sides, one local device per batch); tcp and
-    /// shm reach host memory only, since staging through pinned buffers is not built yet.
+    /// GPU memory goes over cuda-ipc (device on both sides, one local device per batch). Over tcp
+    /// either side may be a GPU (each side stages its own through pinned buffers; the target
+    /// refuses its GPU regions if its staging is off); over shm the local side may be (the peer's
+    /// memory is a memfd). With `staging_bytes = 0`, tcp and shm reach host memory only.
     fn check_locations(
         &self,
         ops: &[crate::op::BlockOp],
@@ -490,10 +508,22 @@ impl Peer {
                     }
                     Some(_) => {}
                 }
-            } else if gpu(local.location()) {
-                return Err(staged(local.id(), local.location()));
-            } else if gpu(remote.location) {
-                return Err(staged(remote.id, remote.location));
+            } else if self.inner.config.staging_bytes == 0 {
+                if gpu(local.location()) {
+                    return Err(staged(local.id(), local.location()));
+                }
+                if gpu(remote.location) {
+                    return Err(staged(remote.id, remote.location));
+                }
+            } else if kind == TransportKind::Shm && gpu(remote.location) {
+                return Err(Error::NotShareable {
+                    region: remote.id,
+                    reason: format!(
+                        "{} memory is no memfd: a same-node peer's GPU memory goes over cuda-ipc \
+                         (or tcp)",
+                        remote.location
+                    ),
+                });
             }
         }
         Ok(())

@@ -6,7 +6,8 @@ mod common;
 
 use kvfabric_engine::cuda::{self, CudaExport, IpcHandle};
 use kvfabric_engine::{
-    Batch, BlockOp, Engine, Error, Location, Preference, RegionDesc, RegionId, TransportKind,
+    Batch, BlockOp, Engine, EngineConfig, Error, Location, Preference, RegionDesc, RegionId,
+    TransportKind,
 };
 
 /// The number of CUDA devices, or None (after saying so) when there is no driver or no device.
@@ -121,7 +122,11 @@ fn a_device_pointer_outside_every_registered_region_is_refused() {
 async fn gpu_memory_over_tcp_without_staging_is_a_typed_error() {
     let target = common::target(common::config("staging-target")).await;
     let remote_host = target.engine.alloc(1 << 20).unwrap();
-    let initiator = Engine::new(common::config("staging-init")).unwrap();
+    let initiator = Engine::new(EngineConfig {
+        staging_bytes: 0,
+        ..common::config("staging-init")
+    })
+    .unwrap();
     let local = initiator.alloc(1 << 20).unwrap();
     let peer = initiator
         .connect(
@@ -246,4 +251,542 @@ fn gpu_selftest_random_sizes_and_unaligned_offsets_both_directions() {
     };
     let report = cuda::selftest((0, n.min(2) - 1), 3, 7).unwrap();
     assert!(report.copies > 0);
+}
+
+// ---- GPU memory over tcp and shm, staged through pinned host buffers ----
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvfabric_engine::{AccessKey, Opcode, Peer, Region};
+use rand::rngs::SmallRng;
+use rand::{Rng, RngCore, SeedableRng};
+
+/// Staging of 40 000 bytes: two slots of 20 000, so payloads cross unit, chunk (64 KiB) and
+/// piece boundaries at odd places.
+fn staged(name: &str) -> EngineConfig {
+    EngineConfig {
+        staging_bytes: 40_000,
+        ..common::config(name)
+    }
+}
+
+/// A region (host or GPU) and a host mirror of what it must hold.
+struct Mirrored {
+    region: Arc<Region>,
+    mirror: Vec<u8>,
+}
+
+impl Mirrored {
+    fn new(engine: &Engine, location: Location, len: usize, seed: u64) -> Mirrored {
+        let mut mirror = vec![0u8; len];
+        SmallRng::seed_from_u64(seed).fill_bytes(&mut mirror);
+        let region = match location {
+            Location::Cuda { device } => {
+                let r = engine.alloc_cuda(device, len as u64).unwrap();
+                cuda::copy_from_host(&r, 0, &mirror).unwrap();
+                r
+            }
+            Location::Host { .. } => {
+                let r = engine.alloc(len as u64).unwrap();
+                // SAFETY: new region, no transfers yet.
+                unsafe { r.as_mut_slice() }.copy_from_slice(&mirror);
+                r
+            }
+        };
+        Mirrored { region, mirror }
+    }
+
+    fn actual(&self) -> Vec<u8> {
+        match self.region.location() {
+            Location::Cuda { .. } => {
+                let mut out = vec![0u8; self.mirror.len()];
+                cuda::copy_to_host(&self.region, 0, &mut out).unwrap();
+                out
+            }
+            Location::Host { .. } => common::bytes(&self.region),
+        }
+    }
+
+    fn assert_exact(&self, what: &str) {
+        let got = self.actual();
+        assert_eq!(got.len(), self.mirror.len());
+        if let Some(at) = got.iter().zip(&self.mirror).position(|(a, b)| a != b) {
+            panic!(
+                "{what}: {} region differs from its mirror at byte {at}",
+                self.region.location()
+            );
+        }
+    }
+}
+
+/// One op of a phase: (local region index, local offset, remote offset, len).
+type PhaseOp = (usize, usize, usize, usize);
+
+/// Walks `len` bytes placing ops of random sizes (mostly small, some spanning many units and
+/// chunks) at unaligned offsets with random gaps: disjoint destinations.
+fn places(rng: &mut SmallRng, len: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut at = rng.random_range(0..64);
+    loop {
+        let want = if rng.random_bool(0.15) {
+            rng.random_range(1..300_000)
+        } else if rng.random_bool(0.3) {
+            rng.random_range(1..64)
+        } else {
+            rng.random_range(1..24_000)
+        };
+        if at + want > len {
+            break;
+        }
+        out.push((at, want));
+        at += want + rng.random_range(0..100);
+    }
+    out
+}
+
+/// Random ops with destinations disjoint across the whole phase, shuffled into `batches` batches
+/// that are all in flight at once (every fourth with checksums; the last carried by a blocked
+/// thread through `Peer::run`); then the mirrors are updated the same way.
+async fn phase(
+    peer: &Arc<Peer>,
+    opcode: Opcode,
+    locals: &mut [Mirrored],
+    remote: &mut Mirrored,
+    rng: &mut SmallRng,
+    batches: usize,
+) -> usize {
+    let mut ops: Vec<PhaseOp> = Vec::new();
+    match opcode {
+        Opcode::Read => {
+            for (i, l) in locals.iter().enumerate() {
+                for (at, len) in places(rng, l.mirror.len()) {
+                    ops.push((i, at, rng.random_range(0..=remote.mirror.len() - len), len));
+                }
+            }
+        }
+        Opcode::Write => {
+            for (at, len) in places(rng, remote.mirror.len()) {
+                let i = rng.random_range(0..locals.len());
+                if len > locals[i].mirror.len() {
+                    continue;
+                }
+                ops.push((
+                    i,
+                    rng.random_range(0..=locals[i].mirror.len() - len),
+                    at,
+                    len,
+                ));
+            }
+        }
+    }
+    for i in (1..ops.len()).rev() {
+        let j = rng.random_range(0..=i);
+        ops.swap(i, j);
+    }
+    let mut groups: Vec<Vec<BlockOp>> = vec![Vec::new(); batches];
+    for (k, &(i, lo, ro, len)) in ops.iter().enumerate() {
+        groups[k % batches].push(BlockOp {
+            local_region: locals[i].region.id(),
+            local_offset: lo as u64,
+            remote_region: remote.region.id(),
+            remote_offset: ro as u64,
+            len: len as u64,
+        });
+    }
+    let mut handles = Vec::new();
+    let mut blocked = None;
+    for (b, group) in groups.into_iter().enumerate() {
+        if group.is_empty() {
+            continue;
+        }
+        let batch = Batch::new(opcode, group).with_checksum(b % 4 == 1);
+        if b + 1 == batches {
+            let peer = peer.clone();
+            blocked = Some(tokio::task::spawn_blocking(move || peer.run(batch)));
+        } else {
+            handles.push(peer.submit(batch).unwrap());
+        }
+    }
+    for h in handles {
+        h.wait().await.unwrap();
+    }
+    if let Some(b) = blocked {
+        b.await.unwrap().unwrap();
+    }
+    for &(i, lo, ro, len) in &ops {
+        match opcode {
+            Opcode::Read => {
+                locals[i].mirror[lo..lo + len].copy_from_slice(&remote.mirror[ro..ro + len])
+            }
+            Opcode::Write => {
+                remote.mirror[ro..ro + len].copy_from_slice(&locals[i].mirror[lo..lo + len])
+            }
+        }
+    }
+    ops.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_memory_over_tcp_and_shm_is_staged_and_every_byte_arrives() {
+    let Some(n) = gpus("gpu_memory_over_tcp_and_shm_is_staged_and_every_byte_arrives") else {
+        return;
+    };
+    let host = Location::Host { numa: None };
+    let other = Location::Cuda {
+        device: n.min(2) - 1,
+    };
+    // (transport, where the target's region lives, staging bytes on both sides)
+    let cases = [
+        (TransportKind::Tcp, host, 40_000),
+        (TransportKind::Tcp, other, 40_000),
+        (TransportKind::Tcp, other, 8 << 20),
+        (TransportKind::Tcp, host, 3 << 20),
+        (TransportKind::Shm, host, 40_000),
+    ];
+    for (round, (kind, remote_at, staging_bytes)) in cases.into_iter().enumerate() {
+        let config = |name: &str| EngineConfig {
+            staging_bytes,
+            ..staged(name)
+        };
+        let target = common::target(config("stg-target")).await;
+        let initiator = Engine::new(config("stg-init")).unwrap();
+        let mut rng = SmallRng::seed_from_u64(round as u64 + 40);
+        let mut remote = Mirrored::new(&target.engine, remote_at, (3 << 20) + 123, rng.random());
+        // A GPU region and a host one: batches mix them, so chunks split by location.
+        let mut locals = vec![
+            Mirrored::new(
+                &initiator,
+                Location::Cuda { device: 0 },
+                (3 << 20) + 77,
+                rng.random(),
+            ),
+            Mirrored::new(&initiator, host, 1 << 20, rng.random()),
+        ];
+        let peer = Arc::new(
+            initiator
+                .connect(&target.engine.descriptor(), Preference::Only(kind), None)
+                .await
+                .unwrap(),
+        );
+        assert_eq!(peer.transport(), kind);
+        let mut ops = 0;
+        for opcode in [Opcode::Write, Opcode::Read, Opcode::Write, Opcode::Read] {
+            ops += phase(&peer, opcode, &mut locals, &mut remote, &mut rng, 12).await;
+        }
+        let what = format!("{kind} cuda:0 ↔ {remote_at}, staging {staging_bytes}");
+        for l in &locals {
+            l.assert_exact(&what);
+        }
+        remote.assert_exact(&what);
+        println!(
+            "{what}: {ops} ops, {} bytes moved, every byte exact",
+            peer.stats().bytes
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_staging_off_gpu_ops_are_refused_typed_and_nothing_is_written() {
+    let Some(_) = gpus("with_staging_off_gpu_ops_are_refused_typed_and_nothing_is_written") else {
+        return;
+    };
+    // The initiator's staging is off: its GPU region is refused at submit, on tcp and shm.
+    let target = common::target(staged("off-target")).await;
+    let remote = common::random_region(&target.engine, 1 << 20, 5);
+    let remote_before = common::bytes(&remote);
+    let initiator = Engine::new(EngineConfig {
+        staging_bytes: 0,
+        ..common::config("off-init")
+    })
+    .unwrap();
+    let local = initiator.alloc_cuda(0, 1 << 20).unwrap();
+    let op = |local: RegionId, remote: RegionId| BlockOp {
+        local_region: local,
+        local_offset: 100,
+        remote_region: remote,
+        remote_offset: 3,
+        len: 70_000,
+    };
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let peer = initiator
+            .connect(&target.engine.descriptor(), Preference::Only(kind), None)
+            .await
+            .unwrap();
+        for batch in [
+            Batch::write(vec![op(local.id(), remote.id())]),
+            Batch::read(vec![op(local.id(), remote.id())]),
+        ] {
+            match peer.submit(batch).unwrap_err() {
+                Error::StagingNotConfigured {
+                    op: 0,
+                    region,
+                    location: Location::Cuda { device: 0 },
+                    transport,
+                } if region == local.id() && transport == kind => {}
+                other => panic!("expected StagingNotConfigured over {kind}, got {other}"),
+            }
+        }
+    }
+    assert_eq!(common::bytes(&remote), remote_before);
+    let mut zeros = vec![1u8; 1 << 20];
+    cuda::copy_to_host(&local, 0, &mut zeros).unwrap();
+    assert!(
+        zeros.iter().all(|&b| b == 0),
+        "the local GPU region was written"
+    );
+
+    // The target's staging is off: its GPU region is refused on the wire, typed, untouched.
+    let target = common::target(EngineConfig {
+        staging_bytes: 0,
+        ..common::config("off-target-2")
+    })
+    .await;
+    let remote_gpu = target.engine.alloc_cuda(0, 1 << 20).unwrap();
+    let initiator = Engine::new(staged("on-init")).unwrap();
+    let local = common::random_region(&initiator, 1 << 20, 6);
+    let local_before = common::bytes(&local);
+    let peer = initiator
+        .connect(
+            &target.engine.descriptor(),
+            Preference::Only(TransportKind::Tcp),
+            None,
+        )
+        .await
+        .unwrap();
+    for batch in [
+        Batch::write(vec![op(local.id(), remote_gpu.id())]),
+        Batch::read(vec![op(local.id(), remote_gpu.id())]),
+    ] {
+        let err = peer.submit(batch).unwrap().wait().await.unwrap_err();
+        match &err {
+            Error::Remote(r) if r.code == "staging_not_configured" => {
+                assert!(r.message.contains("cuda:0"), "{err}")
+            }
+            other => panic!("expected the target's StagingNotConfigured, got {other}"),
+        }
+    }
+    cuda::copy_to_host(&remote_gpu, 0, &mut zeros).unwrap();
+    assert!(
+        zeros.iter().all(|&b| b == 0),
+        "the target's GPU region was written"
+    );
+    assert_eq!(common::bytes(&local), local_before);
+    // A GPU region of the peer over shm is no memfd: refused at submit, naming the region.
+    let err = initiator
+        .connect(
+            &target.engine.descriptor(),
+            Preference::Only(TransportKind::Shm),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::TransportUnavailable { .. }),
+        "shm to a segment with GPU regions: {err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_gone_mid_gpu_batch_is_a_typed_error_and_later_batches_are_exact() {
+    let Some(_) = gpus("a_peer_gone_mid_gpu_batch_is_a_typed_error_and_later_batches_are_exact")
+    else {
+        return;
+    };
+    let config = |name: &str| EngineConfig {
+        staging_bytes: 1 << 20,
+        chunk_bytes: 1 << 20,
+        tcp_connections: 2,
+        ..common::config(name)
+    };
+    let gpu0 = Location::Cuda { device: 0 };
+    let initiator = Engine::new(config("gone-init")).unwrap();
+    let mut locals = vec![Mirrored::new(&initiator, gpu0, 48 << 20, 1)];
+    let scratch = initiator.alloc_cuda(0, 48 << 20).unwrap();
+    {
+        let target = common::target(config("gone-target")).await;
+        let remote = target.engine.alloc(48 << 20).unwrap();
+        let peer = initiator
+            .connect(
+                &target.engine.descriptor(),
+                Preference::Only(TransportKind::Tcp),
+                None,
+            )
+            .await
+            .unwrap();
+        let ops = |local: RegionId| -> Vec<BlockOp> {
+            (0..48u64)
+                .map(|i| BlockOp {
+                    local_region: local,
+                    local_offset: i << 20,
+                    remote_region: remote.id(),
+                    remote_offset: i << 20,
+                    len: 1 << 20,
+                })
+                .collect()
+        };
+        let write = peer
+            .submit(Batch::write(ops(locals[0].region.id())).with_timeout(Duration::from_secs(10)))
+            .unwrap();
+        let read = peer
+            .submit(Batch::read(ops(scratch.id())).with_timeout(Duration::from_secs(10)))
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        drop(target);
+        for (what, r) in [("write", write.wait().await), ("read", read.wait().await)] {
+            match r {
+                Ok(done) => println!(
+                    "{what} finished before the peer left ({} bytes)",
+                    done.bytes
+                ),
+                Err(
+                    e @ (Error::PeerClosed { .. }
+                    | Error::Io { .. }
+                    | Error::Remote(_)
+                    | Error::Timeout { .. }),
+                ) => println!("{what}: {e}"),
+                Err(other) => panic!("{what}: unexpected error {other}"),
+            }
+        }
+    }
+    // No batch holds the scratch region any more, and the write's source is untouched.
+    tokio::time::timeout(Duration::from_secs(15), initiator.deregister(scratch.id()))
+        .await
+        .expect("deregister waited for a lease nobody releases")
+        .unwrap();
+    locals[0].assert_exact("source of the interrupted write");
+    // A new peer: everything exact again.
+    let target = common::target(config("gone-target-2")).await;
+    let mut remote = Mirrored::new(&target.engine, gpu0, 8 << 20, 9);
+    let peer = Arc::new(
+        initiator
+            .connect(
+                &target.engine.descriptor(),
+                Preference::Only(TransportKind::Tcp),
+                None,
+            )
+            .await
+            .unwrap(),
+    );
+    let mut rng = SmallRng::seed_from_u64(77);
+    for opcode in [Opcode::Write, Opcode::Read] {
+        phase(&peer, opcode, &mut locals, &mut remote, &mut rng, 8).await;
+    }
+    locals[0].assert_exact("after the peer came back");
+    remote.assert_exact("after the peer came back");
+}
+
+const IPC_CHILD: &str = "KVFABRIC_TEST_IPC_CHILD";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ipc_handle_from_a_dead_process_is_a_typed_error() {
+    if std::env::var_os(IPC_CHILD).is_some() {
+        // The child: export a device allocation, say where, and wait to be killed.
+        let engine = Engine::new(common::config("ipc-child")).unwrap();
+        let r = engine.alloc_cuda(0, 1 << 20).unwrap();
+        let export = r.cuda_export().expect("cuMemAlloc memory exports");
+        println!(
+            "KVF-IPC {} {}",
+            serde_json::to_string(&export).unwrap(),
+            r.len()
+        );
+        use std::io::Write as _;
+        std::io::stdout().flush().unwrap();
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+    let Some(_) = gpus("an_ipc_handle_from_a_dead_process_is_a_typed_error") else {
+        return;
+    };
+    use std::io::BufRead as _;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "an_ipc_handle_from_a_dead_process_is_a_typed_error",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(IPC_CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let line = out
+        .lines()
+        .map_while(|l| l.ok())
+        // libtest may print "test NAME ... " on the same line first.
+        .find_map(|l| l.find("KVF-IPC ").map(|at| l[at..].to_string()))
+        .expect("the child exported nothing");
+    let mut parts = line.split(' ').skip(1);
+    let export: CudaExport = serde_json::from_str(parts.next().unwrap()).unwrap();
+    let len: u64 = parts.next().unwrap().parse().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let engine = Engine::new(common::config("ipc-dead")).unwrap();
+    let err = engine
+        .import_cuda(0, export, len, AccessKey(1))
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidIpcHandle { .. }), "{err}");
+    println!("import of a dead process's handle: {err}");
+
+    // The same handle in a peer's descriptor: the cuda-ipc batch fails typed.
+    let local = engine.alloc_cuda(0, 1 << 20).unwrap();
+    let mut d = engine.descriptor();
+    d.name = "dead".into();
+    d.regions = vec![RegionDesc {
+        id: RegionId(9),
+        len,
+        location: Location::Cuda { device: 0 },
+        key: AccessKey(1),
+        shareable: false,
+        ipc: Some(export),
+        rdma: Vec::new(),
+    }];
+    let peer = engine
+        .connect(&d, Preference::Only(TransportKind::CudaIpc), None)
+        .await
+        .unwrap();
+    let err = peer
+        .submit(Batch::read(vec![BlockOp {
+            local_region: local.id(),
+            local_offset: 0,
+            remote_region: RegionId(9),
+            remote_offset: 0,
+            len: 4096,
+        }]))
+        .unwrap()
+        .wait()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidIpcHandle { .. }), "{err}");
+}
+
+#[test]
+fn staging_bytes_is_validated() {
+    for bad in [1u64, 4096, 8191] {
+        let err = Engine::new(EngineConfig {
+            staging_bytes: bad,
+            ..common::config("stg-bad")
+        })
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidConfig {
+                    field: "staging_bytes",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+    for good in [0u64, 8192, 40_000, 8 << 20] {
+        Engine::new(EngineConfig {
+            staging_bytes: good,
+            ..common::config("stg-good")
+        })
+        .unwrap();
+    }
 }

@@ -67,6 +67,7 @@ pub async fn run(args: BenchArgs, telemetry: &crate::telemetry::Telemetry) -> Re
             CudaPathArg::Ce => CudaPath::Ce,
         },
         cuda_spin: args.cuda_spin,
+        staging_bytes: args.staging_bytes,
         // --cuda-spin is the lowest-latency setting: the waiting slot polls briefly too.
         spin_wait: if args.cuda_spin {
             Duration::from_micros(200)
@@ -191,6 +192,8 @@ async fn spawn_target(args: &BenchArgs) -> Result<(SocketAddr, Child)> {
     cmd.args(["bench", "--serve", "127.0.0.1:0"])
         .arg("--connections")
         .arg(args.connections.to_string())
+        .arg("--staging-bytes")
+        .arg(args.staging_bytes.to_string())
         .stdout(Stdio::piped())
         .stdin(Stdio::null())
         .kill_on_drop(true);

@@ -1,14 +1,22 @@
 //! Deterministic random block contents: either side can regenerate what any block must hold, so
 //! the target can verify pushed data and the initiator pulled data, byte for byte, without
-//! shipping a copy of the pool.
+//! shipping a copy of the pool. Host and GPU pools hold the same pattern (the GPU fill kernel's,
+//! `kvfabric_engine::cuda::pattern_word`), so a row between host and GPU memory verifies too.
 
-use rand::rngs::SmallRng;
-use rand::{RngCore, SeedableRng};
+use kvfabric_engine::cuda::pattern_word;
 use serde::{Deserialize, Serialize};
 
+/// Block `block` of a pool filled from `seed`: word i is `pattern_word(seed, block, i)`, little
+/// endian (a short last word is that word's first bytes).
 pub fn fill_block(seed: u64, block: u64, out: &mut [u8]) {
-    let mixed = seed ^ block.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    SmallRng::seed_from_u64(mixed).fill_bytes(out);
+    let whole = out.len() / 8;
+    let mut words = out.chunks_exact_mut(8);
+    for (i, w) in (&mut words).enumerate() {
+        w.copy_from_slice(&pattern_word(seed, block, i as u64).to_le_bytes());
+    }
+    let tail = words.into_remainder();
+    let last = pattern_word(seed, block, whole as u64).to_le_bytes();
+    tail.copy_from_slice(&last[..tail.len()]);
 }
 
 /// Fills a whole pool, block by block.
@@ -18,8 +26,8 @@ pub fn fill_pool(seed: u64, block_size: usize, pool: &mut [u8]) {
     }
 }
 
-/// A bench pool of `bytes` at `location`, filled from `seed`: SmallRng blocks on the host, the
-/// device pattern (filled by a kernel) on a GPU.
+/// A bench pool of `bytes` at `location`, filled from `seed` with the same pattern wherever it
+/// lives (by the CPU on the host, by a kernel on a GPU).
 pub fn alloc_pool(
     engine: &kvfabric_engine::Engine,
     location: kvfabric_engine::Location,
@@ -174,5 +182,19 @@ mod tests {
         let mut stray = dst.clone();
         stray[0] ^= 0xff;
         assert_eq!(exp.verify(&stray).mismatches, 1);
+    }
+
+    #[test]
+    fn host_blocks_hold_the_gpu_fill_kernels_pattern_and_short_tails_its_first_bytes() {
+        let mut block = vec![0u8; 8 * 5 + 3];
+        fill_block(99, 7, &mut block);
+        for i in 0..5 {
+            let word = u64::from_le_bytes(block[i * 8..i * 8 + 8].try_into().unwrap());
+            assert_eq!(word, pattern_word(99, 7, i as u64));
+        }
+        assert_eq!(block[40..], pattern_word(99, 7, 5).to_le_bytes()[..3]);
+        let mut other = block.clone();
+        fill_block(99, 8, &mut other);
+        assert_ne!(block, other, "blocks differ");
     }
 }

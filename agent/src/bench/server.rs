@@ -31,6 +31,7 @@ pub async fn run(
         name: "bench-target".into(),
         segment_key: args.key,
         tcp_connections: args.connections,
+        staging_bytes: args.staging_bytes,
         ..EngineConfig::default()
     })?;
     let control = tokio::net::TcpListener::bind(addr)

@@ -178,7 +178,13 @@ pub(crate) fn import_region(
     len: u64,
 ) -> Result<Region> {
     let dev = driver::device(device)?;
-    let imported = driver::Imported::open(dev, &export.handle)?;
+    let imported = driver::Imported::open(dev, &export.handle).map_err(|e| match e {
+        Error::Cuda { .. } => Error::InvalidIpcHandle {
+            region: id,
+            reason: format!("{e} (garbage, or the exporting process has exited)"),
+        },
+        other => other,
+    })?;
     if export
         .offset
         .checked_add(len)

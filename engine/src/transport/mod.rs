@@ -19,6 +19,7 @@ pub(crate) mod listener;
 pub mod select;
 pub(crate) mod shm;
 pub(crate) mod shm_server;
+pub(crate) mod staging;
 pub(crate) mod tcp;
 pub(crate) mod tcp_server;
 
@@ -67,9 +68,7 @@ pub(crate) struct Piece {
     pub remote: Entry,
     /// Index of the caller's op this piece starts at, for error messages.
     pub op: usize,
-    /// Where the local bytes live (a GPU piece's `local` holds a device address); read only by
-    /// the GPU paths.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Where the local bytes live (a GPU piece's `local` holds a device address).
     pub location: Location,
 }
 

@@ -1,5 +1,9 @@
 //! Shared memory, initiator side: maps the peer's memfd regions (fetched once over its Unix
 //! socket, then cached) and copies directly, on a small thread pool for large batches.
+//!
+//! A local GPU region copies straight to or from the peer's mapping with the copy engines
+//! (cuMemcpyDtoHAsync / HtoDAsync), the mapping page-locked once (cuMemHostRegister) so the
+//! copies run at the full host link rate with no staging copy.
 
 use std::collections::HashMap;
 
@@ -12,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use super::fdpass::recv_fd;
+use super::staging::{DirectCopy, Direction, HostPin, Streams, copy_direct, device_of};
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::error::{Error, Result};
@@ -34,6 +39,10 @@ struct ShmInner {
     peer: String,
     sock: Mutex<UnixStream>,
     maps: Mutex<HashMap<RegionId, Arc<Region>>>,
+    /// Mappings page-locked for GPU copies (each keeps its mapping alive).
+    pins: Mutex<HashMap<RegionId, Arc<HostPin>>>,
+    /// Streams for GPU copies, per device.
+    streams: Streams,
     pool: Arc<rayon::ThreadPool>,
     parallel_min: u64,
     moved: AtomicU64,
@@ -54,6 +63,8 @@ impl ShmLink {
             peer,
             sock: Mutex::new(sock),
             maps: Mutex::default(),
+            pins: Mutex::default(),
+            streams: Streams::default(),
             pool,
             parallel_min,
             moved: AtomicU64::new(0),
@@ -89,11 +100,13 @@ impl Transport for ShmLink {
     /// Forgets the mappings of regions the peer no longer publishes (or published anew under
     /// another key), so their memory can be freed; in-flight copies hold their own reference.
     fn regions_changed(&self, descriptor: &SegmentDescriptor) {
+        let mut maps = self.inner.maps.lock().unwrap_or_else(|e| e.into_inner());
+        maps.retain(|id, r| descriptor.region(*id).is_some_and(|d| d.key == r.key()));
         self.inner
-            .maps
+            .pins
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|id, r| descriptor.region(*id).is_some_and(|d| d.key == r.key()));
+            .retain(|id, p| maps.get(id).is_some_and(|r| base(r) == p.base()));
     }
 
     fn mapped(&self) -> usize {
@@ -116,6 +129,9 @@ impl ShmInner {
     fn run(&self, pieces: &[Piece], job: &Job) -> Result<u64> {
         let mut held: Vec<Arc<Region>> = Vec::new();
         let mut copies: Vec<(RawRange, RawRange, usize)> = Vec::with_capacity(pieces.len());
+        // GPU pieces: (copy, op), and the pinned mappings they go through.
+        let mut gpu: Vec<(DirectCopy, usize)> = Vec::new();
+        let mut pinned: Vec<Arc<HostPin>> = Vec::new();
         let mut total = 0u64;
         for p in pieces {
             let region = match held.last() {
@@ -128,15 +144,40 @@ impl ShmInner {
             };
             // Checked against the mapping's real size, whatever the descriptor said.
             let remote = region.range(p.op, "remote_offset", p.remote.offset, p.remote.len)?;
+            total += p.remote.len;
+            if let Some(device) = device_of(p.location) {
+                if !pinned.iter().any(|x| x.base() == base(&region)) {
+                    pinned.push(self.pin(&region, device)?);
+                }
+                gpu.push((
+                    DirectCopy {
+                        device,
+                        dev: p.local,
+                        host: remote,
+                    },
+                    p.op,
+                ));
+                continue;
+            }
             let (src, dst) = match job.opcode {
                 Opcode::Read => (remote, p.local),
                 Opcode::Write => (p.local, remote),
             };
             copies.push((src, dst, p.op));
-            total += p.remote.len;
         }
         if job.is_cancelled() {
             return Err(Error::Cancelled { batch: job.id });
+        }
+        if !gpu.is_empty() {
+            let dir = match job.opcode {
+                Opcode::Read => Direction::HostToDevice,
+                Opcode::Write => Direction::DeviceToHost,
+            };
+            let list: Vec<DirectCopy> = gpu.iter().map(|g| g.0).collect();
+            copy_direct(&list, dir, &self.streams)?;
+            if job.checksum {
+                self.check_gpu(&gpu)?;
+            }
         }
         if total >= self.parallel_min {
             let slices: Vec<(RawRange, RawRange)> = copies
@@ -166,6 +207,48 @@ impl ShmInner {
             }
         }
         Ok(total)
+    }
+
+    /// Compares each GPU copy's two ends by crc32c (the device side read back to the host).
+    fn check_gpu(&self, gpu: &[(DirectCopy, usize)]) -> Result<()> {
+        for &(c, op) in gpu {
+            let mut back = vec![0u8; c.dev.len];
+            let into = RawRange {
+                ptr: back.as_mut_ptr(),
+                len: back.len(),
+            };
+            let read_back = DirectCopy { host: into, ..c };
+            copy_direct(&[read_back], Direction::DeviceToHost, &self.streams)?;
+            // SAFETY: the mapping is held by the caller and the copies have completed.
+            let (expected, computed) = (
+                crc32c::crc32c(unsafe { c.host.as_slice() }),
+                crc32c::crc32c(&back),
+            );
+            if expected != computed {
+                return Err(Error::Checksum {
+                    op,
+                    expected,
+                    computed,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The peer's mapping `region`, page-locked for GPU copies (once; kept until the region
+    /// leaves the peer's descriptor).
+    fn pin(&self, region: &Arc<Region>, device: u32) -> Result<Arc<HostPin>> {
+        let mut pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pins.get(&region.id())
+            && p.base() == base(region)
+        {
+            return Ok(p.clone());
+        }
+        let whole = region.range(0, "len", 0, region.len())?;
+        // SAFETY: the pin holds the mapping (an Arc of its region) until it is unregistered.
+        let pin = Arc::new(unsafe { HostPin::new(device, whole, region.clone())? });
+        pins.insert(region.id(), pin.clone());
+        Ok(pin)
     }
 
     /// The peer's region mapped here, asking the peer for its memfd the first time.
@@ -229,6 +312,13 @@ impl ShmInner {
             .into()
         })
     }
+}
+
+/// Where a mapping starts.
+fn base(region: &Region) -> *mut u8 {
+    region
+        .range(0, "base", 0, 0)
+        .map_or(std::ptr::null_mut(), |r| r.ptr)
 }
 
 fn split(src: RawRange, dst: RawRange) -> impl Iterator<Item = (RawRange, RawRange)> {

@@ -2,12 +2,17 @@
 //! chunks (manifest + payload, one writev per up to 1024 buffers) and a reader thread that takes
 //! replies in order and reads read-payload straight into local memory. Nothing waits for a reply
 //! before sending the next chunk.
+//!
+//! A chunk's pieces all live in one place (host memory, or one GPU). GPU chunks travel through
+//! the connection's pinned staging rings (see [`super::staging`]): the writer thread copies unit
+//! k+1 device → host while it writes unit k, and the reader copies unit k host → device while it
+//! reads unit k+1. The wire is the same either way.
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::Instant;
 
@@ -15,6 +20,7 @@ use rustix::net::{SendFlags, send};
 use tracing::{debug, warn};
 
 use super::io::{discard, read_exact_vectored, write_all_vectored};
+use super::staging::{Span, Staging, device_of};
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::error::{Error, Result};
@@ -33,6 +39,8 @@ struct Chunk {
     pieces: Vec<Piece>,
     bytes: u64,
     tag: u64,
+    /// The GPU every local piece lives on (staged), or None for host memory.
+    device: Option<u32>,
 }
 
 /// Chunks up to this size (header, manifest and payload) are written by the submitting thread
@@ -68,6 +76,12 @@ struct Conn {
     reading: Mutex<bool>,
     read_turn: Condvar,
     alive: AtomicBool,
+    /// Pinned bytes per staging ring (`EngineConfig::staging_bytes`).
+    staging_bytes: u64,
+    /// The writer's ring (GPU → wire), made at the first GPU write.
+    tx_staging: Mutex<Option<Staging>>,
+    /// The reader's ring (wire → GPU), made at the first GPU read; held by whoever reads.
+    rx_staging: Mutex<Option<Staging>>,
     /// Bytes queued or on the wire, to spread chunks over connections.
     outstanding: AtomicU64,
     moved: AtomicU64,
@@ -83,6 +97,7 @@ pub(crate) struct TcpLink {
 pub(crate) struct TcpOptions {
     pub connections: usize,
     pub chunk_bytes: u64,
+    pub staging_bytes: u64,
 }
 
 impl TcpLink {
@@ -102,7 +117,7 @@ impl TcpLink {
                 .set_nodelay(true)
                 .map_err(|e| Error::io("set TCP_NODELAY", e))?;
             descriptor = Some(handshake::client(&mut stream, &peer, hello)?);
-            conns.push(Conn::start(peer.clone(), stream)?);
+            conns.push(Conn::start(peer.clone(), stream, opts.staging_bytes)?);
         }
         let link = TcpLink {
             conns,
@@ -112,7 +127,8 @@ impl TcpLink {
     }
 
     /// Cuts the pieces into chunks of about `chunk_bytes` (splitting large pieces) so a big batch
-    /// spreads over every connection and replies pipeline behind it.
+    /// spreads over every connection and replies pipeline behind it. A chunk holds pieces of one
+    /// place only (host, or one GPU).
     fn chunks(&self, job: &Arc<Job>, pieces: Vec<Piece>) -> Vec<Chunk> {
         let mut chunks = Vec::new();
         let mut cur: Vec<Piece> = Vec::new();
@@ -121,6 +137,7 @@ impl TcpLink {
             if !cur.is_empty() {
                 chunks.push(Chunk {
                     job: job.clone(),
+                    device: device_of(cur[0].location),
                     pieces: std::mem::take(cur),
                     bytes: std::mem::take(cur_bytes),
                     tag: 0,
@@ -128,6 +145,12 @@ impl TcpLink {
             }
         };
         for piece in pieces {
+            if cur
+                .first()
+                .is_some_and(|c| device_of(c.location) != device_of(piece.location))
+            {
+                flush(&mut cur, &mut cur_bytes, &mut chunks);
+            }
             let mut done = 0u64;
             let total = piece.remote.len;
             while done < total {
@@ -222,7 +245,7 @@ impl Drop for TcpLink {
 }
 
 impl Conn {
-    fn start(peer: String, stream: TcpStream) -> Result<Arc<Conn>> {
+    fn start(peer: String, stream: TcpStream, staging_bytes: u64) -> Result<Arc<Conn>> {
         let reader = stream
             .try_clone()
             .map_err(|e| Error::io("clone tcp stream", e))?;
@@ -236,6 +259,9 @@ impl Conn {
             reading: Mutex::new(false),
             read_turn: Condvar::new(),
             alive: AtomicBool::new(true),
+            staging_bytes,
+            tx_staging: Mutex::new(None),
+            rx_staging: Mutex::new(None),
             outstanding: AtomicU64::new(0),
             moved: AtomicU64::new(0),
             next_tag: AtomicU64::new(1),
@@ -264,8 +290,9 @@ impl Conn {
             });
             return;
         }
-        let small =
-            chunk.bytes as usize + chunk.pieces.len() * ENTRY_LEN + HEADER_LEN <= INLINE_MAX;
+        // GPU chunks are staged by the writer thread, never written by the submitter.
+        let small = chunk.device.is_none()
+            && chunk.bytes as usize + chunk.pieces.len() * ENTRY_LEN + HEADER_LEN <= INLINE_MAX;
         if q.busy || !q.items.is_empty() || !small {
             q.items.push_back(Work::Chunk(chunk));
             drop(q);
@@ -419,12 +446,33 @@ impl Conn {
         }
     }
 
+    /// The connection's staging ring in `slot`, made on first use.
+    fn staging<'a>(
+        &self,
+        slot: &'a Mutex<Option<Staging>>,
+        device: u32,
+    ) -> Result<MutexGuard<'a, Option<Staging>>> {
+        let mut ring = slot.lock().unwrap_or_else(|e| e.into_inner());
+        if ring.is_none() {
+            if self.staging_bytes == 0 {
+                return Err(Error::InvalidConfig {
+                    field: "staging_bytes",
+                    value: "0".into(),
+                    reason: "GPU memory over tcp needs pinned staging",
+                });
+            }
+            *ring = Some(Staging::new(self.staging_bytes, device)?);
+        }
+        Ok(ring)
+    }
+
     fn write_loop(self: Arc<Self>) {
         let mut stream = &self.stream;
         let mut head = Vec::new();
+        let io = |e| closed_or_io(e, &self.peer);
         while let Some(work) = self.next_work() {
             let written = match work {
-                Work::Tail(bytes) => stream.write_all(&bytes),
+                Work::Tail(bytes) => stream.write_all(&bytes).map_err(io),
                 Work::Chunk(chunk) if chunk.job.is_cancelled() => {
                     self.outstanding.fetch_sub(chunk.bytes, Ordering::Relaxed);
                     chunk.job.piece_failed(Error::Cancelled {
@@ -432,14 +480,32 @@ impl Conn {
                     });
                     Ok(())
                 }
-                Work::Chunk(chunk) => {
-                    let chunk = self.await_reply(chunk);
-                    write_chunk(&mut stream, &chunk, &mut head)
-                }
+                Work::Chunk(chunk) => match chunk.device {
+                    Some(device) if chunk.job.opcode == Opcode::Write => {
+                        // The ring is made before the chunk counts as sent: a chunk that cannot
+                        // be staged fails alone and the connection stays in step.
+                        match self.staging(&self.tx_staging, device) {
+                            Ok(mut ring) => {
+                                let chunk = self.await_reply(chunk);
+                                let ring = ring.as_mut().expect("made by staging()");
+                                write_staged(&mut stream, &chunk, &mut head, ring, &io)
+                            }
+                            Err(e) => {
+                                self.outstanding.fetch_sub(chunk.bytes, Ordering::Relaxed);
+                                chunk.job.piece_failed(e);
+                                Ok(())
+                            }
+                        }
+                    }
+                    _ => {
+                        let chunk = self.await_reply(chunk);
+                        write_chunk(&mut stream, &chunk, &mut head).map_err(io)
+                    }
+                },
             };
             self.queue.lock().unwrap_or_else(|e| e.into_inner()).busy = false;
             if let Err(e) = written {
-                self.close(closed_or_io(e, &self.peer));
+                self.close(e);
                 return;
             }
         }
@@ -540,6 +606,9 @@ impl Conn {
             });
             return Ok(());
         }
+        if let Some(device) = chunk.device {
+            return self.read_staged(stream, &h, &chunk, device, scratch);
+        }
         {
             let mut bufs: Vec<IoSliceMut<'_>> = chunk
                 .pieces
@@ -548,7 +617,13 @@ impl Conn {
                 // disjoint when the batch was submitted, so nothing else writes here.
                 .map(|p| IoSliceMut::new(unsafe { p.local.as_mut_slice() }))
                 .collect();
-            read_exact_vectored(stream, &mut bufs).map_err(io)?;
+            if let Err(e) = read_exact_vectored(stream, &mut bufs) {
+                // The chunk is off the pending list: fail it here, or its batch waits for its
+                // timeout instead of hearing that the peer is gone.
+                let e = io(e);
+                chunk.job.piece_failed(e.duplicate());
+                return Err(e);
+            }
         }
         if chunk.job.checksum {
             if !h.has(FLAG_CRC) {
@@ -564,6 +639,65 @@ impl Conn {
             for (p, expected) in chunk.pieces.iter().zip(crcs) {
                 // SAFETY: leased and just filled by this thread.
                 let computed = crc32c::crc32c(unsafe { p.local.as_slice() });
+                if computed != expected {
+                    chunk.job.piece_failed(Error::Checksum {
+                        op: p.op,
+                        expected,
+                        computed,
+                    });
+                    return Ok(());
+                }
+            }
+        } else if h.has(FLAG_CRC) {
+            discard(stream, h.count as u64 * 4, scratch).map_err(io)?;
+        }
+        self.moved.fetch_add(chunk.bytes, Ordering::Relaxed);
+        chunk.job.piece_done(chunk.bytes);
+        Ok(())
+    }
+
+    /// The GPU half of `read_reply`: the payload goes through the reader's staging ring into
+    /// device memory, and the chunk completes once every byte is there.
+    fn read_staged(
+        &self,
+        stream: &mut &TcpStream,
+        h: &Header,
+        chunk: &Chunk,
+        device: u32,
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        let io = |e| closed_or_io(e, &self.peer);
+        let mut ring = match self.staging(&self.rx_staging, device) {
+            Ok(r) => r,
+            Err(e) => {
+                // Keep the stream in step without touching the destination.
+                discard(stream, h.len, scratch).map_err(io)?;
+                if h.has(FLAG_CRC) {
+                    discard(stream, h.count as u64 * 4, scratch).map_err(io)?;
+                }
+                chunk.job.piece_failed(e);
+                return Ok(());
+            }
+        };
+        let spans: Vec<Span> = chunk.pieces.iter().map(|p| (p.local, p.location)).collect();
+        let mut crcs = chunk.job.checksum.then(|| vec![0u32; spans.len()]);
+        let ring = ring.as_mut().expect("made by staging()");
+        if let Err(e) = ring.recv(stream, &spans, crcs.as_deref_mut(), &io) {
+            chunk.job.piece_failed(e.duplicate());
+            return Err(e);
+        }
+        if let Some(computed) = crcs {
+            if !h.has(FLAG_CRC) {
+                chunk.job.piece_failed(Error::Frame(FrameError::Body {
+                    what: "read data",
+                    reason: "checksum requested but none sent".into(),
+                }));
+                return Ok(());
+            }
+            let mut raw = vec![0u8; h.count as usize * 4];
+            stream.read_exact(&mut raw).map_err(io)?;
+            let expected = decode_crcs(h.count, &raw)?;
+            for ((p, expected), computed) in chunk.pieces.iter().zip(expected).zip(computed) {
                 if computed != expected {
                     chunk.job.piece_failed(Error::Checksum {
                         op: p.op,
@@ -675,6 +809,26 @@ fn crc_trailer(chunk: &Chunk) -> Vec<u8> {
         // SAFETY: leased source; concurrent writers to a write's source are the caller's bug.
         .flat_map(|p| crc32c::crc32c(unsafe { p.local.as_slice() }).to_le_bytes())
         .collect()
+}
+
+/// Writes one GPU write chunk: header and manifest, then the payload staged through `ring`, then
+/// the crc trailer (computed from the staged bytes).
+fn write_staged(
+    stream: &mut &TcpStream,
+    chunk: &Chunk,
+    head: &mut Vec<u8>,
+    ring: &mut Staging,
+    io: &dyn Fn(std::io::Error) -> Error,
+) -> Result<()> {
+    encode_head(chunk, head);
+    let spans: Vec<Span> = chunk.pieces.iter().map(|p| (p.local, p.location)).collect();
+    let mut crcs = chunk.job.checksum.then(|| vec![0u32; spans.len()]);
+    ring.send(stream, head, &spans, crcs.as_deref_mut(), io)?;
+    if let Some(crcs) = crcs {
+        let trailer: Vec<u8> = crcs.iter().flat_map(|c| c.to_le_bytes()).collect();
+        stream.write_all(&trailer).map_err(io)?;
+    }
+    Ok(())
 }
 
 /// Writes one chunk: header, manifest, then (for writes) every payload and the crc trailer.

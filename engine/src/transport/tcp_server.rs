@@ -1,6 +1,8 @@
 //! TCP, target side: one thread per data connection. Every manifest is checked in full (region,
 //! key, bounds, overlaps) before the first payload byte is read; a refused chunk's payload is read
 //! into scratch and dropped so the stream stays in step and the peer's next chunk still works.
+//! Entries naming GPU regions are staged through the connection's pinned ring (see
+//! [`super::staging`]) once the whole manifest has passed its checks.
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
@@ -11,6 +13,7 @@ use tracing::{debug, info};
 
 use super::TransportKind;
 use super::io::{discard, hang_up, read_exact_vectored, write_all_vectored};
+use super::staging::{Span, Staging, device_of};
 use crate::engine::Inner;
 use crate::engine::ServedChunk;
 use crate::error::{Error, Result, Side};
@@ -46,6 +49,7 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String)
         scratch: Vec::new(),
         trace: None,
         refusal: None,
+        staging: None,
     };
     loop {
         match conn.serve_one(&mut stream) {
@@ -72,12 +76,28 @@ struct ServerConn {
     trace: Option<TraceContext>,
     /// Why the chunk being served was refused (the connection lives on), for the observer.
     refusal: Option<String>,
+    /// The pinned ring for GPU regions, made at the first chunk that names one.
+    staging: Option<Staging>,
 }
 
 /// A manifest that passed every check: the leases keep the memory alive while we use it.
 struct Checked {
     ranges: Vec<RawRange>,
+    /// Where each range lives.
+    locations: Vec<Location>,
+    /// The first GPU any range lives on: the chunk must be staged.
+    device: Option<u32>,
     _leases: Vec<Lease>,
+}
+
+impl Checked {
+    fn spans(&self) -> Vec<Span> {
+        self.ranges
+            .iter()
+            .copied()
+            .zip(self.locations.iter().copied())
+            .collect()
+    }
 }
 
 impl ServerConn {
@@ -126,6 +146,8 @@ impl ServerConn {
     fn check(&self, entries: &[crate::frame::Entry], writes: bool) -> Result<Checked> {
         let mut leases: Vec<Lease> = Vec::new();
         let mut ranges = Vec::with_capacity(entries.len());
+        let mut locations = Vec::with_capacity(entries.len());
+        let mut device = None;
         for (i, e) in entries.iter().enumerate() {
             if e.len == 0 {
                 return Err(Error::ZeroLength { op: i });
@@ -145,16 +167,21 @@ impl ServerConn {
                     r
                 }
             };
-            // A device pointer is no host address: never let a socket read or write through it.
-            if let Location::Cuda { .. } = region.location() {
-                return Err(Error::StagingNotConfigured {
-                    op: i,
-                    region: region.id(),
-                    location: region.location(),
-                    transport: TransportKind::Tcp,
-                });
+            // A device pointer is no host address: a socket never reads or writes through it;
+            // its bytes go through the staging ring, or nowhere when staging is off.
+            if let Some(d) = device_of(region.location()) {
+                if self.inner.config.staging_bytes == 0 {
+                    return Err(Error::StagingNotConfigured {
+                        op: i,
+                        region: region.id(),
+                        location: region.location(),
+                        transport: TransportKind::Tcp,
+                    });
+                }
+                device = device.or(Some(d));
             }
             ranges.push(region.range(i, "remote_offset", e.offset, e.len)?);
+            locations.push(region.location());
         }
         if writes {
             check_disjoint(entries.len(), |i| {
@@ -164,14 +191,34 @@ impl ServerConn {
         }
         Ok(Checked {
             ranges,
+            locations,
+            device,
             _leases: leases,
         })
     }
 
+    /// The staging ring, made on first use (`NoCudaDriver` and friends when it cannot be).
+    fn ring(&mut self, device: u32) -> Result<&mut Staging> {
+        if self.staging.is_none() {
+            self.staging = Some(Staging::new(self.inner.config.staging_bytes, device)?);
+        }
+        Ok(self.staging.as_mut().expect("just made"))
+    }
+
+    /// A checked manifest whose GPU ranges cannot be staged is refused like a bad one.
+    fn check_staged(&mut self, entries: &[crate::frame::Entry], writes: bool) -> Result<Checked> {
+        let checked = self.check(entries, writes)?;
+        if let Some(device) = checked.device {
+            self.ring(device)?;
+        }
+        Ok(checked)
+    }
+
     fn write(&mut self, s: &mut TcpStream, h: &Header) -> Result<()> {
         let entries = self.entries(s, h)?;
-        let io = |e| closed_or_io(e, &self.peer);
-        let checked = match self.check(&entries, true) {
+        let peer = self.peer.clone();
+        let io = |e| closed_or_io(e, &peer);
+        let checked = match self.check_staged(&entries, true) {
             Ok(c) => c,
             Err(refusal) => {
                 if h.len > DISCARD_LIMIT {
@@ -187,7 +234,15 @@ impl ServerConn {
                 return Ok(());
             }
         };
-        {
+        let mut staged_crcs = None;
+        if checked.device.is_some() {
+            let mut crcs = h.has(FLAG_CRC).then(|| vec![0u32; checked.ranges.len()]);
+            let spans = checked.spans();
+            let ring = self.staging.as_mut().expect("made by check_staged");
+            // Returns with every byte in place, or with no copy left running.
+            ring.recv(s, &spans, crcs.as_deref_mut(), &io)?;
+            staged_crcs = crcs;
+        } else {
             let mut bufs: Vec<IoSliceMut<'_>> = checked
                 .ranges
                 .iter()
@@ -201,8 +256,11 @@ impl ServerConn {
             s.read_exact(&mut raw).map_err(io)?;
             let crcs = decode_crcs(h.count, &raw)?;
             for (i, (r, expected)) in checked.ranges.iter().zip(crcs).enumerate() {
-                // SAFETY: leased; just written by this thread.
-                let computed = crc32c::crc32c(unsafe { r.as_slice() });
+                let computed = match &staged_crcs {
+                    Some(c) => c[i],
+                    // SAFETY: leased; just written by this thread.
+                    None => crc32c::crc32c(unsafe { r.as_slice() }),
+                };
                 if computed != expected {
                     let err = Error::Checksum {
                         op: i,
@@ -220,8 +278,9 @@ impl ServerConn {
 
     fn read(&mut self, s: &mut TcpStream, h: &Header) -> Result<()> {
         let entries = self.entries(s, h)?;
-        let io = |e| closed_or_io(e, &self.peer);
-        let checked = match self.check(&entries, false) {
+        let peer = self.peer.clone();
+        let io = |e| closed_or_io(e, &peer);
+        let checked = match self.check_staged(&entries, false) {
             Ok(c) => c,
             Err(refusal) => {
                 debug!(peer = %self.peer, error = %refusal, "read chunk refused");
@@ -237,6 +296,17 @@ impl ServerConn {
             0
         });
         let head = reply.encode();
+        if checked.device.is_some() {
+            let mut crcs = crc.then(|| vec![0u32; checked.ranges.len()]);
+            let spans = checked.spans();
+            let ring = self.staging.as_mut().expect("made by check_staged");
+            ring.send(s, &head, &spans, crcs.as_deref_mut(), &io)?;
+            if let Some(crcs) = crcs {
+                let trailer: Vec<u8> = crcs.iter().flat_map(|c| c.to_le_bytes()).collect();
+                s.write_all(&trailer).map_err(io)?;
+            }
+            return Ok(());
+        }
         let mut trailer = Vec::new();
         if crc {
             for r in &checked.ranges {
