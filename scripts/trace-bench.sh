@@ -2,12 +2,16 @@
 # What tracing costs: `kvfabric bench --through-agent` at 64 KiB blocks with tracing off and on
 # (every span exported over OTLP to an in-process receiver), alternating runs, medians compared.
 #   scripts/trace-bench.sh [PAIRS] [SECONDS]    (defaults 5 and 6)
+#   KVFABRIC_BIN=path/to/kvfabric uses that binary instead of building one (machines without Rust)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pairs=${1:-5}
 secs=${2:-6}
-cargo build --release -q --bin kvfabric
-bin=target/release/kvfabric
+bin=${KVFABRIC_BIN:-}
+if [ -z "$bin" ]; then
+  cargo build --release -q --bin kvfabric
+  bin=target/release/kvfabric
+fi
 args=(bench --through-agent --block-size 64KiB --blocks-per-batch 1024 --pool-bytes 512MiB
       --duration "$secs" --json)
 out=$(mktemp)
