@@ -11,8 +11,11 @@ use kvfabric_engine::{
     TraceContext, TransportKind,
 };
 
+/// What the observer was told about one chunk: op, bytes, trace context, error.
+type Chunk = (Opcode, u64, Option<TraceContext>, Option<String>);
+
 #[derive(Debug, Default)]
-struct Seen(Mutex<Vec<(Opcode, u64, Option<TraceContext>, Option<String>)>>);
+struct Seen(Mutex<Vec<Chunk>>);
 
 impl ServeObserver for Seen {
     fn served(&self, c: &ServedChunk<'_>) {
