@@ -529,7 +529,9 @@ impl RdmaLink {
         let per = cfg.qps_per_peer;
         let mut cqs = Vec::with_capacity(runtime.nics.len());
         for n in &runtime.nics {
-            let entries = (per as u32)
+            // Every WR of every QP may complete (an error flushes unsignaled WRs too), and a
+            // provider may leave a reset QP's flushes in the queue: room for twice that.
+            let entries = (2 * per as u32)
                 .saturating_mul(cfg.qp.sq_depth)
                 .saturating_add(64);
             cqs.push(n.pd.context().create_cq(entries)?);
