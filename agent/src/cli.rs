@@ -98,6 +98,9 @@ pub enum TransportArg {
     Tcp,
     Shm,
     CudaIpc,
+    /// One-sided RDMA READ/WRITE (needs an RDMA device on both ends and a build with the cargo
+    /// feature `rdma`; the target must be started with `--transport rdma` too).
+    Rdma,
     Auto,
 }
 
@@ -307,6 +310,19 @@ pub struct AgentArgs {
     #[arg(long, env = "KVFABRIC_TCP_CONNECTIONS", default_value_t = 4)]
     pub tcp_connections: usize,
 
+    /// RDMA devices (and ports) the agent may use: `mlx5_0,mlx5_1:1`, `^mlx5_2` excludes (empty:
+    /// every device allocated to the pod).
+    #[arg(long, env = "KVFABRIC_RDMA_DEVICES", default_value = "", value_parser = parse_rdma_devices)]
+    pub rdma_devices: kvfabric_engine::rdma::DeviceFilter,
+
+    /// GID table index every RDMA port sends from (`auto`: RoCE v2 with IPv4 first).
+    #[arg(long, env = "KVFABRIC_RDMA_GID_INDEX", default_value = "auto", value_parser = parse_gid_index)]
+    pub rdma_gid_index: kvfabric_engine::rdma::GidChoice,
+
+    /// RC QPs per peer agent on each RDMA NIC.
+    #[arg(long, env = "KVFABRIC_RDMA_QPS_PER_PEER", default_value_t = 2)]
+    pub rdma_qps_per_peer: usize,
+
     /// Default time one batch may take.
     #[arg(long, env = "KVFABRIC_BATCH_TIMEOUT_MS", default_value_t = 30_000)]
     pub batch_timeout_ms: u64,
@@ -368,6 +384,14 @@ pub struct RegistryBenchArgs {
     /// The report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+fn parse_rdma_devices(s: &str) -> Result<kvfabric_engine::rdma::DeviceFilter, String> {
+    s.parse().map_err(|e: kvfabric_engine::Error| e.to_string())
+}
+
+fn parse_gid_index(s: &str) -> Result<kvfabric_engine::rdma::GidChoice, String> {
+    s.parse().map_err(|e: kvfabric_engine::Error| e.to_string())
 }
 
 fn parse_ratio(s: &str) -> Result<f64, String> {

@@ -115,6 +115,9 @@ pub struct Node {
     links: tokio::sync::Mutex<HashMap<(String, TransportKind), Arc<Link>>>,
     /// Bytes moved through links that have since been closed, so totals never go backwards.
     closed_bytes: AtomicU64,
+    /// Peer agents RDMA was given up for (the engine's retry policy failed it), with why: their
+    /// links are re-opened over the next allowed transport and say so.
+    rdma_given_up: Mutex<HashMap<String, String>>,
 }
 
 impl Node {
@@ -135,6 +138,7 @@ impl Node {
             fds: Mutex::default(),
             links: tokio::sync::Mutex::default(),
             closed_bytes: AtomicU64::new(0),
+            rdma_given_up: Mutex::default(),
         })
     }
 
@@ -539,6 +543,18 @@ impl Node {
                 elapsed: done.elapsed,
                 remote_agent: link.agent.clone(),
             }),
+            Err(e) if e.code() == "rdma_fallback" => {
+                // RDMA to this peer was given up: the batch goes again over the next allowed
+                // transport, whose link reason says why (as does the batch result).
+                link.errors.fetch_add(1, Ordering::Relaxed);
+                warn!(agent = %link.agent, reason = %e, "rdma given up; the batch is retried over the next transport");
+                self.rdma_given_up
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(link.agent.clone(), e.to_string());
+                self.forget(&link).await;
+                Box::pin(self.transfer_in_span(t)).await
+            }
             Err(e) => {
                 link.errors.fetch_add(1, Ordering::Relaxed);
                 if connection_lost(&e) {
@@ -547,6 +563,40 @@ impl Node {
                 Err(e.into())
             }
         }
+    }
+
+    /// The exchange an rdma link to `agent` is set up (and rebuilt) through, or why rdma is not
+    /// possible: RDMA devices on both ends (this engine's, and the peer's registry entry), and
+    /// RDMA not given up for the peer.
+    fn rdma_exchange(
+        &self,
+        agent: &AgentEntry,
+    ) -> std::result::Result<Arc<dyn kvfabric_engine::RdmaExchange>, String> {
+        if let Some(why) = self
+            .rdma_given_up
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&agent.name)
+        {
+            return Err(why.clone());
+        }
+        let mut why = Vec::new();
+        if let Err(e) = self.engine.rdma_devices() {
+            why.push(e.to_string());
+        }
+        if agent.devices.rdma.is_empty() {
+            why.push(format!("peer agent {} lists no RDMA devices", agent.name));
+        }
+        if !why.is_empty() {
+            return Err(why.join("; "));
+        }
+        Ok(Arc::new(peer_link::PeerExchange {
+            agent: agent.clone(),
+            fabric: self.config.fabric.clone(),
+            me: self.config.name.clone(),
+            timeout: self.config.connect_timeout,
+            runtime: tokio::runtime::Handle::current(),
+        }))
     }
 
     /// The cached data connection to the agent serving `segment`, or a new one.
@@ -585,9 +635,19 @@ impl Node {
             .await?;
         let mut refused = Vec::new();
         for kind in candidates {
+            let rdma = match kind {
+                TransportKind::Rdma => match self.rdma_exchange(&agent) {
+                    Ok(x) => Some(x),
+                    Err(why) => {
+                        refused.push(format!("{kind} not possible: {why}"));
+                        continue;
+                    }
+                },
+                _ => None,
+            };
             match self
                 .engine
-                .connect(&descriptor, Preference::Only(kind), None)
+                .connect_with(&descriptor, Preference::Only(kind), None, rdma)
                 .instrument(select.clone())
                 .await
             {

@@ -1,17 +1,34 @@
-//! The peer API other agents call before opening data connections to this one.
+//! The peer API other agents call before opening data connections to this one (and, for rdma,
+//! to exchange the QPs of the connection).
 
 use std::sync::Arc;
 
+use kvfabric_engine::ConnectInfo;
 use tonic::{Request, Response, Status};
-use tracing::debug;
+use tracing::{debug, warn};
 
+use crate::error::Error;
 use crate::node::Node;
 use crate::rpc::pb::peer_agent_server::PeerAgent;
-use crate::rpc::pb::{HandshakeRequest, HandshakeResponse};
+use crate::rpc::pb::{
+    HandshakeRequest, HandshakeResponse, RdmaConnectRequest, RdmaConnectResponse,
+};
 
 #[derive(Debug, Clone)]
 pub struct PeerApi {
     pub node: Arc<Node>,
+}
+
+impl PeerApi {
+    fn check_fabric(&self, fabric: &str) -> Result<(), Status> {
+        if fabric != self.node.config.fabric {
+            return Err(Status::permission_denied(format!(
+                "fabric {:?} is not this agent's fabric {:?}",
+                fabric, self.node.config.fabric
+            )));
+        }
+        Ok(())
+    }
 }
 
 #[tonic::async_trait]
@@ -21,16 +38,34 @@ impl PeerAgent for PeerApi {
         request: Request<HandshakeRequest>,
     ) -> Result<Response<HandshakeResponse>, Status> {
         let req = request.into_inner();
-        if req.fabric != self.node.config.fabric {
-            return Err(Status::permission_denied(format!(
-                "fabric {:?} is not this agent's fabric {:?}",
-                req.fabric, self.node.config.fabric
-            )));
-        }
+        self.check_fabric(&req.fabric)?;
         debug!(peer = %req.agent, "peer handshake");
         Ok(Response::new(HandshakeResponse {
             agent: self.node.config.name.clone(),
             descriptor: self.node.descriptor().to_json(),
+        }))
+    }
+
+    async fn rdma_connect(
+        &self,
+        request: Request<RdmaConnectRequest>,
+    ) -> Result<Response<RdmaConnectResponse>, Status> {
+        let req = request.into_inner();
+        self.check_fabric(&req.fabric)?;
+        let offer = ConnectInfo::from_json(&req.agent, &req.connect_info_json)
+            .map_err(|e| Status::from(Error::from(e)))?;
+        debug!(peer = %req.agent, session = offer.session, qps = offer.qps.len(), "rdma connect");
+        let engine = self.node.engine.clone();
+        let peer = req.agent.clone();
+        let answer = tokio::task::spawn_blocking(move || engine.rdma_accept(&peer, &offer))
+            .await
+            .map_err(|e| Status::internal(format!("rdma accept task: {e}")))?
+            .map_err(|e| {
+                warn!(peer = %req.agent, error = %e, "rdma connect refused");
+                Status::from(Error::from(e))
+            })?;
+        Ok(Response::new(RdmaConnectResponse {
+            connect_info_json: answer.to_json(),
         }))
     }
 }

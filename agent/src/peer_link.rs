@@ -1,15 +1,36 @@
 //! The calling side of the peer API: one handshake with another agent returns its data-plane
-//! descriptor, from which the engine opens data connections.
+//! descriptor, from which the engine opens data connections; for rdma, the connection's QPs are
+//! exchanged through it too (`PeerExchange`).
 
 use std::time::Duration;
 
-use kvfabric_engine::SegmentDescriptor;
-use tonic::transport::Endpoint;
+use kvfabric_engine::{ConnectInfo, RdmaExchange, SegmentDescriptor, TransportKind};
+use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{Error, Result};
 use crate::registry::AgentEntry;
-use crate::rpc::pb::HandshakeRequest;
 use crate::rpc::pb::peer_agent_client::PeerAgentClient;
+use crate::rpc::pb::{HandshakeRequest, RdmaConnectRequest};
+
+fn failure(agent: &AgentEntry, reason: String) -> Error {
+    Error::PeerAgent {
+        agent: agent.name.clone(),
+        addr: agent.peer_addr.to_string(),
+        reason,
+    }
+}
+
+async fn dial(agent: &AgentEntry, timeout: Duration) -> Result<PeerAgentClient<Channel>> {
+    let endpoint = Endpoint::from_shared(format!("http://{}", agent.peer_addr))
+        .map_err(|e| failure(agent, e.to_string()))?
+        .connect_timeout(timeout)
+        .timeout(timeout);
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| failure(agent, format!("connect: {e}")))?;
+    Ok(PeerAgentClient::new(channel))
+}
 
 pub async fn handshake(
     agent: &AgentEntry,
@@ -17,20 +38,9 @@ pub async fn handshake(
     me: &str,
     timeout: Duration,
 ) -> Result<SegmentDescriptor> {
-    let fail = |reason: String| Error::PeerAgent {
-        agent: agent.name.clone(),
-        addr: agent.peer_addr.to_string(),
-        reason,
-    };
-    let endpoint = Endpoint::from_shared(format!("http://{}", agent.peer_addr))
-        .map_err(|e| fail(e.to_string()))?
-        .connect_timeout(timeout)
-        .timeout(timeout);
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|e| fail(format!("connect: {e}")))?;
-    let reply = PeerAgentClient::new(channel)
+    let fail = |reason: String| failure(agent, reason);
+    let reply = dial(agent, timeout)
+        .await?
         .handshake(HandshakeRequest {
             fabric: fabric.into(),
             agent: me.into(),
@@ -45,4 +55,60 @@ pub async fn handshake(
         )));
     }
     SegmentDescriptor::from_json(&reply.descriptor).map_err(|e| fail(e.to_string()))
+}
+
+/// Sends an rdma connection offer to `agent` and returns its answer.
+pub async fn rdma_connect(
+    agent: &AgentEntry,
+    fabric: &str,
+    me: &str,
+    timeout: Duration,
+    offer: &ConnectInfo,
+) -> Result<ConnectInfo> {
+    let reply = dial(agent, timeout)
+        .await?
+        .rdma_connect(RdmaConnectRequest {
+            fabric: fabric.into(),
+            agent: me.into(),
+            connect_info_json: offer.to_json(),
+        })
+        .await
+        .map_err(|s| failure(agent, format!("rdma connect: {}", s.message())))?
+        .into_inner();
+    Ok(ConnectInfo::from_json(
+        &agent.name,
+        &reply.connect_info_json,
+    )?)
+}
+
+/// The engine's [`RdmaExchange`] over the peer API: the offer goes to the peer agent's
+/// `RdmaConnect`, at connect time and whenever the engine rebuilds the connection.
+#[derive(Debug)]
+pub struct PeerExchange {
+    pub agent: AgentEntry,
+    pub fabric: String,
+    pub me: String,
+    pub timeout: Duration,
+    /// The agent's runtime: the engine calls from its own threads.
+    pub runtime: tokio::runtime::Handle,
+}
+
+impl RdmaExchange for PeerExchange {
+    fn exchange(&self, offer: &ConnectInfo) -> kvfabric_engine::Result<ConnectInfo> {
+        let answer = self.runtime.block_on(rdma_connect(
+            &self.agent,
+            &self.fabric,
+            &self.me,
+            self.timeout,
+            offer,
+        ));
+        answer.map_err(|e| match e {
+            Error::Engine(e) => e,
+            other => kvfabric_engine::Error::TransportUnavailable {
+                transport: TransportKind::Rdma,
+                segment: self.agent.name.clone(),
+                reason: other.to_string(),
+            },
+        })
+    }
 }

@@ -34,13 +34,17 @@ impl From<Error> for Status {
                 | "invalid_config"
                 | "invalid_ipc_handle"
                 | "unregistered_pointer"
-                | "mixed_devices" => Code::InvalidArgument,
+                | "mixed_devices"
+                | "bad_handshake" => Code::InvalidArgument,
                 "timeout" => Code::DeadlineExceeded,
                 "cancelled" => Code::Cancelled,
-                "peer_closed" | "io" | "shutting_down" | "transport_unavailable" => {
-                    Code::Unavailable
-                }
+                "peer_closed"
+                | "io"
+                | "shutting_down"
+                | "transport_unavailable"
+                | "rdma_fallback" => Code::Unavailable,
                 "no_cuda_driver"
+                | "no_rdma_device"
                 | "no_such_device"
                 | "not_shareable"
                 | "staging_not_configured" => Code::FailedPrecondition,

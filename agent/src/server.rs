@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kvfabric_engine::{Engine, EngineConfig, ServeObserver, ServedChunk};
+use kvfabric_engine::{
+    Engine, EngineConfig, RdmaConfig, ServeObserver, ServedChunk, TransportKind,
+};
 use serde::Serialize;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
@@ -199,6 +201,14 @@ pub async fn serve(
         tcp_connections: args.tcp_connections,
         batch_timeout: Duration::from_millis(args.batch_timeout_ms),
         max_batch_ops: args.max_batch_ops,
+        // RDMA only where it is an allowed transport: otherwise no memory is pinned for it.
+        rdma: RdmaConfig {
+            enabled: args.transports.contains(&TransportKind::Rdma),
+            devices: args.rdma_devices.clone(),
+            gid: args.rdma_gid_index,
+            qps_per_peer: args.rdma_qps_per_peer,
+            ..RdmaConfig::default()
+        },
         ..EngineConfig::default()
     })?;
     let peer_local = listeners

@@ -347,3 +347,107 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
     b.stop().await;
     a.stop().await;
 }
+
+/// `--transports rdma,tcp` where rdma cannot work (no device here, none in the peer's registry
+/// entry, or a build without rdma): the link falls back to tcp, and the batch result says why
+/// rdma was not used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_rdma_devices_the_link_falls_back_to_tcp_and_says_why() {
+    let store = MemoryStore::new();
+    let a = TestAgent::start("node-a", "rdma,tcp", &store).await;
+    let b = TestAgent::start("node-b", "rdma,tcp", &store).await;
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let block = 16 << 10;
+    let src = random(64 * block, 1);
+    let dst = random(64 * block, 2);
+    let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let d = decode.register("decode-0", &[&dst], None).await.unwrap();
+    let ops = blocks(8, block, 3);
+    let done = decode.read(&d, "prefill-0", p.key, &ops).await.unwrap();
+    assert_eq!(done.transport, "tcp", "{done:?}");
+    let reason = &done.transport_reason;
+    assert!(reason.starts_with("rdma not possible: "), "{reason}");
+    // This machine has no RDMA device: the reason names it (or the build without rdma), and
+    // the peer agent's empty device list.
+    assert!(
+        reason.contains("no usable RDMA device") || reason.contains("not built"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("peer agent node-a lists no RDMA devices"),
+        "{reason}"
+    );
+    // SAFETY: the batch completed; nothing is in flight.
+    let (s, t) = unsafe { (src.as_slice(), dst.as_slice()) };
+    for o in &ops {
+        let (lo, ro, n) = (
+            o.local_offset as usize,
+            o.remote_offset as usize,
+            o.len as usize,
+        );
+        assert!(t[lo..lo + n] == s[ro..ro + n], "block at {lo} differs");
+    }
+    let status = decode.status().await.unwrap();
+    assert_eq!(status.connections.len(), 1);
+    assert_eq!(status.connections[0].transport, "tcp");
+    b.stop().await;
+    a.stop().await;
+}
+
+/// The peer API's RdmaConnect: other fabrics are refused, garbage is a named bad argument, and
+/// an agent without a usable RDMA device answers FAILED_PRECONDITION saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_connect_refuses_with_typed_statuses() {
+    use kvfabric_agent::rpc::pb::RdmaConnectRequest;
+    use kvfabric_agent::rpc::pb::peer_agent_client::PeerAgentClient;
+    use kvfabric_engine::ConnectInfo;
+    use kvfabric_engine::rdma::{LinkLayer, Mtu, QpInfo};
+
+    let store = MemoryStore::new();
+    let a = TestAgent::start("node-a", "rdma,tcp", &store).await;
+    let mut client = PeerAgentClient::connect(format!("http://{}", a.0.ready.peer))
+        .await
+        .unwrap();
+    let offer = ConnectInfo::new(vec![QpInfo {
+        nic: "mlx5_0".into(),
+        port: 1,
+        link_layer: LinkLayer::Ethernet,
+        lid: 0,
+        gid: "::ffff:10.0.0.9".parse().unwrap(),
+        mtu: Mtu::M4096,
+        qpn: 0x1234,
+        psn: 7,
+    }])
+    .with_session(42);
+    let call = |fabric: &str, json: String| RdmaConnectRequest {
+        fabric: fabric.into(),
+        agent: "node-b".into(),
+        connect_info_json: json,
+    };
+    let err = client
+        .rdma_connect(call("other", offer.to_json()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    let err = client
+        .rdma_connect(call(
+            "test",
+            offer.to_json().replace("\"qpn\":4660", "\"qpn\":1"),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("qpn"), "{}", err.message());
+    let err = client
+        .rdma_connect(call("test", offer.to_json()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("no usable RDMA device"),
+        "{}",
+        err.message()
+    );
+    a.stop().await;
+}

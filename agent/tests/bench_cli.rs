@@ -217,3 +217,41 @@ fn connecting_to_nothing_is_a_clear_error() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("127.0.0.1:1"));
 }
+
+/// `kvfabric bench --transport rdma` on a machine without an RDMA device (or a build without
+/// rdma): a typed error saying so, a runtime-failure exit code, and no target left behind.
+#[test]
+fn rdma_without_a_device_fails_with_a_clear_error() {
+    let out = Command::new(BIN)
+        .args([
+            "bench",
+            "--transport",
+            "rdma",
+            "--duration",
+            "0.2",
+            "--pool-bytes",
+            "4MiB",
+            "--block-size",
+            "64KiB",
+            "--blocks-per-batch",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        // A machine with RDMA: the run itself is the test.
+        println!("this machine has an RDMA device: {stderr}");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("kvfabric: no usable RDMA device: "),
+        "{stderr}"
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "no rows: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}

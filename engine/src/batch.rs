@@ -131,6 +131,12 @@ impl Job {
         self.remaining.store(n, Ordering::Release);
     }
 
+    /// The local regions the batch holds leases on.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn regions(&self) -> impl Iterator<Item = &std::sync::Arc<crate::region::Region>> {
+        self._leases.iter().map(|l| l.region())
+    }
+
     pub(crate) fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Acquire)
     }

@@ -13,15 +13,20 @@ use crate::cuda::CudaPath;
 use crate::error::{Error, Result, Side};
 use crate::frame::{Entry, Hello, PROTOCOL_VERSION};
 use crate::op;
+use crate::rdma::{ConnectInfo, RdmaConfig, RdmaExchange, RdmaNicInfo};
 use crate::region::{AccessKey, Lease, Location, Region, RegionId};
 use crate::region_table::RegionTable;
 use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor, local_node_id};
-use crate::transport::select::{Preference, Selection, select};
+use crate::transport::select::{Local, NO_EXCHANGE, Preference, Selection, select_for};
 use crate::transport::shm::ShmLink;
 use crate::transport::tcp::{TcpLink, TcpOptions};
 use crate::transport::{
     Piece, Transport, TransportKind, TransportStats, listener, shm_server, tcp_server,
 };
+
+/// Why a build without the cargo feature `rdma` has no RDMA.
+#[cfg(not(feature = "rdma"))]
+const NOT_BUILT: &str = "rdma is not built into this engine (cargo feature `rdma` is off)";
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -64,6 +69,9 @@ pub struct EngineConfig {
     /// Told about every chunk this engine served for a peer (tcp target side), with the trace
     /// context the initiator sent: how an embedding agent traces the work it does for others.
     pub observer: Option<Arc<dyn ServeObserver>>,
+    /// RDMA devices, QPs, work-request plans and retries (used in a build with the cargo
+    /// feature `rdma`, on a machine with a usable device).
+    pub rdma: RdmaConfig,
 }
 
 /// A chunk this engine served as the target.
@@ -103,6 +111,7 @@ impl Default for EngineConfig {
             cuda_push_by_peer: true,
             observer: None,
             staging_bytes: 2 * (4 << 20),
+            rdma: RdmaConfig::default(),
         }
     }
 }
@@ -150,7 +159,7 @@ impl EngineConfig {
                 "must be 0 (off) or >= 8192",
             );
         }
-        Ok(())
+        self.rdma.validate()
     }
 }
 
@@ -161,15 +170,64 @@ pub(crate) struct Inner {
     endpoints: RwLock<Endpoints>,
     next_batch: AtomicU64,
     shm_pool: Arc<rayon::ThreadPool>,
+    /// The RDMA devices, opened on first use; or why there are none.
+    #[cfg(feature = "rdma")]
+    rdma: std::sync::OnceLock<std::result::Result<Arc<crate::transport::rdma::Runtime>, String>>,
 }
 
 impl Inner {
+    /// The RDMA state, opened on first use, or why this engine has none.
+    #[cfg(feature = "rdma")]
+    pub(crate) fn rdma(
+        &self,
+    ) -> std::result::Result<&Arc<crate::transport::rdma::Runtime>, String> {
+        self.rdma
+            .get_or_init(|| {
+                let r = crate::transport::rdma::Runtime::open(&self.config.rdma).map(Arc::new);
+                if let Err(why) = &r {
+                    debug!(segment = %self.config.name, %why, "no rdma");
+                }
+                r
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// Whether this engine can open rdma connections, or why not.
+    fn rdma_ready(&self) -> std::result::Result<(), String> {
+        #[cfg(feature = "rdma")]
+        {
+            self.rdma()
+                .map(|_| ())
+                .map_err(|why| format!("no usable RDMA device here: {why}"))
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            Err(NOT_BUILT.into())
+        }
+    }
+
+    /// The regions' descriptors, with their rkeys when this engine has RDMA.
+    fn region_descriptors(&self) -> Vec<RegionDesc> {
+        #[allow(unused_mut)]
+        let mut regions = self.regions.descriptors();
+        #[cfg(feature = "rdma")]
+        if let Ok(rt) = self.rdma() {
+            for d in &mut regions {
+                if let Ok(region) = self.regions.get(d.id, Side::Local) {
+                    d.rdma = rt.keys(&region, || self.regions.get(d.id, Side::Local).is_ok());
+                }
+            }
+        }
+        regions
+    }
+
     pub(crate) fn descriptor(&self) -> SegmentDescriptor {
         SegmentDescriptor {
             version: DESCRIPTOR_VERSION,
             name: self.config.name.clone(),
             node: self.config.node.clone(),
-            regions: self.regions.descriptors(),
+            regions: self.region_descriptors(),
             endpoints: self
                 .endpoints
                 .read()
@@ -209,6 +267,8 @@ impl Engine {
                 endpoints: RwLock::default(),
                 next_batch: AtomicU64::new(1),
                 shm_pool: Arc::new(pool),
+                #[cfg(feature = "rdma")]
+                rdma: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -281,9 +341,65 @@ impl Engine {
         self.inner.regions.get(id, Side::Local)
     }
 
-    /// Unpublishes a region at once and returns when no in-flight batch uses it any more.
+    /// Unpublishes a region at once and returns when no in-flight batch uses it any more. Its
+    /// RDMA registrations are dropped then (peers still holding its rkeys get access errors).
     pub async fn deregister(&self, id: RegionId) -> Result<()> {
-        self.inner.regions.deregister(id).await
+        self.inner.regions.deregister(id).await?;
+        #[cfg(feature = "rdma")]
+        if let Some(Ok(rt)) = self.inner.rdma.get() {
+            rt.forget(id);
+        }
+        Ok(())
+    }
+
+    /// The RDMA ports this engine uses, or `NoRdmaDevice` saying why it has none (no device,
+    /// none allowed or allocated, RDMA turned off, or a build without the cargo feature `rdma`).
+    pub fn rdma_devices(&self) -> Result<Vec<RdmaNicInfo>> {
+        #[cfg(feature = "rdma")]
+        {
+            self.inner
+                .rdma()
+                .map(|rt| rt.nics())
+                .map_err(|reason| Error::NoRdmaDevice { reason })
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            Err(Error::NoRdmaDevice {
+                reason: NOT_BUILT.into(),
+            })
+        }
+    }
+
+    /// The target side of an rdma connection: creates a QP for each QP `peer` offers, connects
+    /// them to the offer and returns this engine's answer, for the peer's
+    /// [`RdmaExchange`] to bring back. An offer for a session this engine already holds
+    /// replaces its QPs (the peer is rebuilding its link). Blocking (verbs calls).
+    pub fn rdma_accept(&self, peer: &str, offer: &ConnectInfo) -> Result<ConnectInfo> {
+        #[cfg(feature = "rdma")]
+        {
+            let rt = self
+                .inner
+                .rdma()
+                .map_err(|reason| Error::NoRdmaDevice { reason })?;
+            rt.accept(peer, offer)
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = (peer, offer);
+            Err(Error::NoRdmaDevice {
+                reason: NOT_BUILT.into(),
+            })
+        }
+    }
+
+    /// Closes the QPs accepted for `peer`'s session; false when there were none.
+    pub fn rdma_release(&self, peer: &str, session: u64) -> bool {
+        #[cfg(feature = "rdma")]
+        if let Some(Ok(rt)) = self.inner.rdma.get() {
+            return rt.release(peer, session);
+        }
+        let _ = (peer, session);
+        false
     }
 
     /// What peers need to reach this engine.
@@ -347,14 +463,38 @@ impl Engine {
     }
 
     /// Connects to a peer segment over the transport that locality (or `preference`) picks, and
-    /// logs the choice with its reason.
+    /// logs the choice with its reason. Never rdma, which needs an exchange with the peer: see
+    /// [`Engine::connect_with`].
     pub async fn connect(
         &self,
         remote: &SegmentDescriptor,
         preference: Preference,
         segment_key: Option<u64>,
     ) -> Result<Peer> {
-        let selection = select(&self.inner.config.node, remote, preference)?;
+        self.connect_with(remote, preference, segment_key, None)
+            .await
+    }
+
+    /// [`Engine::connect`], where rdma may be chosen too: `rdma` carries the connection offer
+    /// to the peer's engine and its answer back (the agent's peer API, the bench's control
+    /// channel), at connect time and whenever a failed QP is rebuilt. Rdma is possible when this
+    /// engine has a usable RDMA device and the peer publishes rkeys for its regions; otherwise
+    /// the selection (or the error, for `Preference::Only(Rdma)`) says why.
+    pub async fn connect_with(
+        &self,
+        remote: &SegmentDescriptor,
+        preference: Preference,
+        segment_key: Option<u64>,
+        rdma: Option<Arc<dyn RdmaExchange>>,
+    ) -> Result<Peer> {
+        let local = Local {
+            node: &self.inner.config.node,
+            rdma: match &rdma {
+                None => Err(NO_EXCHANGE.into()),
+                Some(_) => self.inner.rdma_ready(),
+            },
+        };
+        let selection = select_for(&local, remote, preference)?;
         info!(
             segment = %remote.name,
             transport = %selection.kind,
@@ -400,11 +540,23 @@ impl Engine {
                     )?;
                     (Box::new(link), remote.clone())
                 }
+                #[cfg(feature = "rdma")]
+                TransportKind::Rdma => {
+                    let rt = inner
+                        .rdma()
+                        .map_err(|reason| Error::NoRdmaDevice { reason })?
+                        .clone();
+                    let exchange = rdma.expect("selection checked the exchange");
+                    let link = crate::transport::rdma::RdmaLink::connect(rt, &remote, exchange)?;
+                    (Box::new(link), remote.clone())
+                }
+                // Reached in builds without `cuda` or `rdma`; selection refuses those first.
+                #[allow(unreachable_patterns)]
                 other => {
                     return Err(Error::TransportUnavailable {
                         transport: other,
                         segment: remote.name.clone(),
-                        reason: "not built into this engine yet".into(),
+                        reason: "not built into this engine".into(),
                     });
                 }
             };
@@ -461,10 +613,11 @@ impl Peer {
         self.link.mapped()
     }
 
-    /// GPU memory goes over cuda-ipc (device on both sides, one local device per batch). Over tcp
-    /// either side may be a GPU (each side stages its own through pinned buffers; the target
-    /// refuses its GPU regions if its staging is off); over shm the local side may be (the peer's
-    /// memory is a memfd). With `staging_bytes = 0`, tcp and shm reach host memory only.
+    /// GPU memory goes over cuda-ipc (device on both sides, one local device per batch) or rdma
+    /// (GPUDirect). Over tcp either side may be a GPU (each side stages its own through pinned
+    /// buffers; the target refuses its GPU regions if its staging is off); over shm the local
+    /// side may be (the peer's memory is a memfd). With `staging_bytes = 0`, tcp and shm reach
+    /// host memory only.
     fn check_locations(
         &self,
         ops: &[crate::op::BlockOp],
@@ -472,6 +625,11 @@ impl Peer {
         remotes: &[&RegionDesc],
     ) -> Result<()> {
         let kind = self.link.kind();
+        if kind == TransportKind::Rdma {
+            // The NIC reaches host and GPU memory alike; what could not be registered has no
+            // rkey, which the link reports per region.
+            return Ok(());
+        }
         let mut first: Option<Location> = None;
         for (i, o) in ops.iter().enumerate() {
             let local = locals
@@ -619,6 +777,8 @@ impl Peer {
                     offset: o.remote_offset,
                     len: o.len,
                 },
+                local_region: local.id(),
+                local_offset: o.local_offset,
                 op: c.first_index,
                 location: local.location(),
             });

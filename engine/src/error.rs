@@ -178,6 +178,11 @@ pub enum Error {
         device: String,
         reason: String,
     },
+
+    /// RDMA to `peer` was given up (too many failed retries or QP rebuilds); the reason says
+    /// why and that tcp is to be used instead.
+    #[error("{reason}")]
+    RdmaFallback { peer: String, reason: String },
 }
 
 /// Which side of a block op a region belongs to.
@@ -254,6 +259,7 @@ impl Error {
             Error::BadHandshake { .. } => "bad_handshake",
             Error::CreditOverrun { .. } => "credit_overrun",
             Error::Verbs { .. } => "verbs",
+            Error::RdmaFallback { .. } => "rdma_fallback",
         }
     }
 
@@ -277,6 +283,13 @@ impl Error {
             },
             Error::Cancelled { batch } => Error::Cancelled { batch: *batch },
             Error::ShuttingDown => Error::ShuttingDown,
+            Error::RdmaFallback { peer, reason } => Error::RdmaFallback {
+                peer: peer.clone(),
+                reason: reason.clone(),
+            },
+            Error::NoRdmaDevice { reason } => Error::NoRdmaDevice {
+                reason: reason.clone(),
+            },
             other => Error::Remote(other.to_remote()),
         }
     }

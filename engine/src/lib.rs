@@ -22,6 +22,7 @@ pub use engine::{Engine, EngineConfig, Peer, ServeObserver, ServedChunk};
 pub use error::{Error, RemoteError, Result, Side};
 pub use frame::TraceContext;
 pub use op::{BlockOp, Coalesced, Opcode, coalesce, validate};
+pub use rdma::{ConnectInfo, RdmaConfig, RdmaExchange, RdmaNicInfo};
 pub use region::{AccessKey, Location, RawRange, Region, RegionId};
 pub use segment::{
     DESCRIPTOR_VERSION, Endpoints, RdmaKey, RegionDesc, SegmentDescriptor, local_node_id,

@@ -4,7 +4,9 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
-use kvfabric_engine::{Location, RegionDesc, RegionId, SegmentDescriptor};
+use kvfabric_engine::{
+    ConnectInfo, Location, RdmaExchange, RegionDesc, RegionId, SegmentDescriptor, TransportKind,
+};
 use serde::{Deserialize, Serialize};
 
 use super::pattern::{Expectation, Verdict};
@@ -47,6 +49,11 @@ pub enum Request {
     PingPong {
         size: u64,
     },
+    /// The initiator's rdma connection offer; answered with the target's QPs, connected.
+    RdmaConnect {
+        peer: String,
+        offer: ConnectInfo,
+    },
 }
 
 fn host() -> Location {
@@ -70,6 +77,9 @@ pub enum Reply {
     Ready,
     SinkDone {
         bytes: u64,
+    },
+    RdmaAnswer {
+        answer: ConnectInfo,
     },
     Error {
         message: String,
@@ -149,6 +159,39 @@ impl ControlClient {
                 peer: addr.to_string(),
                 reason: format!("expected ready, got {other:?}"),
             }),
+        }
+    }
+}
+
+/// The engine's rdma exchange over the control channel: each offer (at connect, and at every
+/// rebuild) goes to the target on a connection of its own.
+#[derive(Debug)]
+pub struct ControlExchange {
+    pub addr: SocketAddr,
+    /// The initiator engine's name (the target keeps the QPs under it).
+    pub peer: String,
+}
+
+impl RdmaExchange for ControlExchange {
+    fn exchange(&self, offer: &ConnectInfo) -> kvfabric_engine::Result<ConnectInfo> {
+        let unavailable = |reason: String| kvfabric_engine::Error::TransportUnavailable {
+            transport: TransportKind::Rdma,
+            segment: format!("bench target at {}", self.addr),
+            reason,
+        };
+        let reply = ControlClient::connect(self.addr)
+            .and_then(|mut c| {
+                c.call(&Request::RdmaConnect {
+                    peer: self.peer.clone(),
+                    offer: offer.clone(),
+                })
+            })
+            .map_err(|e| unavailable(e.to_string()))?;
+        match reply {
+            Reply::RdmaAnswer { answer } => Ok(answer),
+            other => Err(unavailable(format!(
+                "expected an rdma answer, got {other:?}"
+            ))),
         }
     }
 }

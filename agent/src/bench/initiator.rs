@@ -16,7 +16,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::ceiling::{self, Ceiling};
-use super::control::{ControlClient, Reply, Request};
+use super::control::{ControlClient, ControlExchange, Reply, Request};
 use super::pattern::{self, Expectation};
 use super::report::Row;
 use super::stats::percentile;
@@ -167,11 +167,20 @@ impl Initiator {
             TransportArg::Tcp => Preference::Only(TransportKind::Tcp),
             TransportArg::Shm => Preference::Only(TransportKind::Shm),
             TransportArg::CudaIpc => Preference::Only(TransportKind::CudaIpc),
+            TransportArg::Rdma => Preference::Only(TransportKind::Rdma),
             TransportArg::Auto => Preference::Auto,
         };
+        // Rdma connections are exchanged over the control channel.
+        let exchange: Option<Arc<dyn kvfabric_engine::RdmaExchange>> =
+            (plan.transport == TransportArg::Rdma).then(|| {
+                Arc::new(ControlExchange {
+                    addr: self.control_addr,
+                    peer: self.engine.config().name.clone(),
+                }) as Arc<dyn kvfabric_engine::RdmaExchange>
+            });
         let peer = Arc::new(
             self.engine
-                .connect(&descriptor, preference, plan.key)
+                .connect_with(&descriptor, preference, plan.key, exchange)
                 .await?,
         );
         let selection = peer.selection().clone();
@@ -203,7 +212,7 @@ impl Initiator {
             duration: plan.duration / ROUNDS as f64,
             ..plan.clone()
         };
-        let mut ceiling_kit = CeilingKit::new(plan, selection.kind, self.engine.config())?;
+        let mut ceiling_kit = CeilingKit::new(plan, selection.kind, &self.engine)?;
         let mut timed = Timed::default();
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
@@ -489,6 +498,12 @@ enum CeilingKit {
         size: u64,
     },
     Stream(ceiling::StreamShape),
+    /// Rdma: the line rate of the engine's ports (sysfs `rate`), not measured here; the
+    /// measured ceiling is perftest's `ib_write_bw`/`ib_read_bw` on the same NICs (docs/rdma.md).
+    LineRate {
+        name: String,
+        gbps: f64,
+    },
     /// The same bytes between the same GPUs as one contiguous peer copy (or, for a latency
     /// row, one small peer copy and its synchronisation).
     PeerCopy {
@@ -500,12 +515,22 @@ enum CeilingKit {
 }
 
 impl CeilingKit {
-    fn new(
-        plan: &RowPlan,
-        kind: TransportKind,
-        config: &kvfabric_engine::EngineConfig,
-    ) -> Result<Self> {
+    fn new(plan: &RowPlan, kind: TransportKind, engine: &Engine) -> Result<Self> {
+        let config = engine.config();
         Ok(match kind {
+            TransportKind::Rdma => {
+                let nics = engine.rdma_devices()?;
+                let known: Vec<f64> = nics.iter().filter_map(|n| n.rate_gbps).collect();
+                CeilingKit::LineRate {
+                    name: format!("line rate {}×NIC", nics.len()),
+                    // Gb/s of the ports → GB/s like the rows; NaN (null in JSON) when unknown.
+                    gbps: if known.len() == nics.len() {
+                        known.iter().sum::<f64>() / 8.0
+                    } else {
+                        f64::NAN
+                    },
+                }
+            }
             TransportKind::CudaIpc => {
                 let device = |l: Location| match l {
                     Location::Cuda { device } => device,
@@ -560,6 +585,11 @@ impl CeilingKit {
             } => Ok(tokio::task::block_in_place(|| {
                 ceiling::memcpy(src, dst, *block, *per_batch, secs)
             })),
+            CeilingKit::LineRate { name, gbps } => Ok(Ceiling {
+                name: name.clone(),
+                gbps: *gbps,
+                p50_us: None,
+            }),
             CeilingKit::PingPong { size } => {
                 let size = *size;
                 tokio::task::spawn_blocking(move || ceiling::tcp_ping_pong(control, size, secs))

@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::Duration;
 
-use kvfabric_engine::{CudaPath, Engine, EngineConfig, Location, Opcode};
+use kvfabric_engine::{CudaPath, Engine, EngineConfig, Location, Opcode, RdmaConfig};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -59,6 +59,7 @@ pub async fn run(args: BenchArgs, telemetry: &crate::telemetry::Telemetry) -> Re
     for p in &plans {
         p.validate()?;
     }
+    let rdma = plans.iter().any(|p| p.transport == TransportArg::Rdma);
     let engine = Engine::new(EngineConfig {
         name: "bench-initiator".into(),
         tcp_connections: args.connections,
@@ -74,8 +75,29 @@ pub async fn run(args: BenchArgs, telemetry: &crate::telemetry::Telemetry) -> Re
         } else {
             Duration::ZERO
         },
+        rdma: RdmaConfig {
+            enabled: rdma,
+            ..RdmaConfig::default()
+        },
         ..EngineConfig::default()
     })?;
+    if rdma {
+        // No device (or a build without rdma): say so before starting anything.
+        let nics = engine.rdma_devices()?;
+        if !args.json {
+            for n in &nics {
+                eprintln!(
+                    "rdma: {} port {} ({}, {}), line rate {}",
+                    n.name,
+                    n.port,
+                    n.link_layer,
+                    n.gid,
+                    n.rate_gbps
+                        .map_or("unknown".to_string(), |r| format!("{r} Gb/s"))
+                );
+            }
+        }
+    }
     if !args.json {
         eprintln!("{}", layout.describe());
     }
@@ -199,6 +221,10 @@ async fn spawn_target(args: &BenchArgs) -> Result<(SocketAddr, Child)> {
         .kill_on_drop(true);
     if let Some(key) = args.key {
         cmd.arg("--key").arg(key.to_string());
+    }
+    if args.transport == Some(TransportArg::Rdma) {
+        // The target registers its pools with its NICs only when told.
+        cmd.args(["--transport", "rdma"]);
     }
     let mut child = cmd
         .spawn()

@@ -5,14 +5,14 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use kvfabric_engine::{Engine, EngineConfig, RegionDesc};
+use kvfabric_engine::{Engine, EngineConfig, RdmaConfig, RegionDesc};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::control::{Reply, Request};
 use super::pattern;
 use super::scatter::Scatter;
-use crate::cli::BenchArgs;
+use crate::cli::{BenchArgs, TransportArg};
 use crate::error::{Error, Result};
 
 /// How long in-flight work may take to finish after a stop signal.
@@ -32,6 +32,11 @@ pub async fn run(
         segment_key: args.key,
         tcp_connections: args.connections,
         staging_bytes: args.staging_bytes,
+        // Pools are registered with the NICs (pinned) only for an rdma run.
+        rdma: RdmaConfig {
+            enabled: args.transport == Some(TransportArg::Rdma),
+            ..RdmaConfig::default()
+        },
         ..EngineConfig::default()
     })?;
     let control = tokio::net::TcpListener::bind(addr)
@@ -191,6 +196,9 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
             rt.block_on(engine.deregister(region))?;
             Reply::Released
         }
+        Request::RdmaConnect { peer, offer } => Reply::RdmaAnswer {
+            answer: engine.rdma_accept(&peer, &offer)?,
+        },
         Request::Sink { .. } | Request::Source { .. } | Request::PingPong { .. } => {
             unreachable!("raw modes are served by serve_control")
         }

@@ -41,6 +41,10 @@ pub struct QpInfo {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ConnectInfo {
     pub version: u32,
+    /// The initiator's link, kept over its rebuilds: an offer for a session the target already
+    /// holds replaces that session's QPs. The answer repeats it.
+    #[serde(default)]
+    pub session: u64,
     pub qps: Vec<QpInfo>,
 }
 
@@ -48,8 +52,14 @@ impl ConnectInfo {
     pub fn new(qps: Vec<QpInfo>) -> Self {
         ConnectInfo {
             version: HANDSHAKE_VERSION,
+            session: 0,
             qps,
         }
+    }
+
+    pub fn with_session(mut self, session: u64) -> Self {
+        self.session = session;
+        self
     }
 
     pub fn to_json(&self) -> String {

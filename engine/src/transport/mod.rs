@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::batch::Job;
 use crate::frame::Entry;
-use crate::region::{Location, RawRange};
+use crate::region::{Location, RawRange, RegionId};
 use crate::segment::SegmentDescriptor;
 
 #[cfg(feature = "cuda")]
@@ -16,6 +16,8 @@ pub(crate) mod cuda_ipc;
 pub mod fdpass;
 pub(crate) mod io;
 pub(crate) mod listener;
+#[cfg(feature = "rdma")]
+pub(crate) mod rdma;
 pub mod select;
 pub(crate) mod shm;
 pub(crate) mod shm_server;
@@ -66,6 +68,12 @@ impl std::str::FromStr for TransportKind {
 pub(crate) struct Piece {
     pub local: RawRange,
     pub remote: Entry,
+    /// The local region and the offset in it where `local` starts (how rdma finds the memory
+    /// registration).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub local_region: RegionId,
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub local_offset: u64,
     /// Index of the caller's op this piece starts at, for error messages.
     pub op: usize,
     /// Where the local bytes live (a GPU piece's `local` holds a device address).

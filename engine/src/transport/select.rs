@@ -40,12 +40,27 @@ pub struct Selection {
     pub reason: String,
 }
 
-/// Why `kind` cannot reach `remote` from `local_node`, or None when it can.
+/// What this engine can offer, for the choice.
+#[derive(Debug, Clone)]
+pub struct Local<'a> {
+    /// This machine's identity (`EngineConfig::node`).
+    pub node: &'a str,
+    /// Whether this engine can open an rdma connection now: built with the feature, a usable
+    /// device, and a way to exchange the connection with the peer; else why not.
+    pub rdma: std::result::Result<(), String>,
+}
+
+/// Why rdma cannot be used when no exchange was given.
+pub const NO_EXCHANGE: &str = "rdma connections are set up through an exchange with the peer \
+     (Engine::connect_with and an RdmaExchange, as the agent's peer API does); none was given";
+
+/// Why `kind` cannot reach `remote` from `local`, or None when it can.
 fn unavailable(
     kind: TransportKind,
-    local_node: &str,
+    local: &Local<'_>,
     remote: &SegmentDescriptor,
 ) -> Option<String> {
+    let local_node = local.node;
     match kind {
         TransportKind::Tcp => remote
             .endpoints
@@ -90,17 +105,56 @@ fn unavailable(
                     })
             }
         }
-        TransportKind::Rdma => Some("rdma is not built into this engine yet".into()),
+        TransportKind::Rdma => rdma_unavailable(local, remote),
     }
 }
 
+fn rdma_unavailable(local: &Local<'_>, remote: &SegmentDescriptor) -> Option<String> {
+    if !cfg!(feature = "rdma") {
+        return Some("rdma is not built into this engine (cargo feature `rdma` is off)".into());
+    }
+    if let Err(reason) = &local.rdma {
+        return Some(reason.clone());
+    }
+    if remote.regions.is_empty() {
+        return Some("peer publishes no regions".into());
+    }
+    if remote.regions.iter().all(|r| r.rdma.is_empty()) {
+        return Some(
+            "peer publishes no rdma keys (it has no usable RDMA device, or RDMA is off there)"
+                .into(),
+        );
+    }
+    remote.regions.iter().find(|r| r.rdma.is_empty()).map(|r| {
+        format!(
+            "peer region {} ({}) publishes no rdma key (it could not be registered there)",
+            r.id, r.location
+        )
+    })
+}
+
+/// [`select_for`] for an engine that offers no rdma (no exchange given).
 pub fn select(
     local_node: &str,
     remote: &SegmentDescriptor,
     preference: Preference,
 ) -> Result<Selection> {
+    let local = Local {
+        node: local_node,
+        rdma: Err(NO_EXCHANGE.into()),
+    };
+    select_for(&local, remote, preference)
+}
+
+/// The transport for `remote`: `preference`, or by locality — cuda-ipc (same node, GPU regions),
+/// shm (same node, host regions), rdma (devices on both ends), tcp — with the reason.
+pub fn select_for(
+    local: &Local<'_>,
+    remote: &SegmentDescriptor,
+    preference: Preference,
+) -> Result<Selection> {
     match preference {
-        Preference::Only(kind) => match unavailable(kind, local_node, remote) {
+        Preference::Only(kind) => match unavailable(kind, local, remote) {
             None => Ok(Selection {
                 kind,
                 reason: "requested explicitly".into(),
@@ -112,7 +166,7 @@ pub fn select(
             }),
         },
         Preference::Auto => {
-            let no_ipc = match unavailable(TransportKind::CudaIpc, local_node, remote) {
+            let no_ipc = match unavailable(TransportKind::CudaIpc, local, remote) {
                 None => {
                     return Ok(Selection {
                         kind: TransportKind::CudaIpc,
@@ -122,26 +176,44 @@ pub fn select(
                 }
                 Some(r) => r,
             };
-            match unavailable(TransportKind::Shm, local_node, remote) {
+            let no_shm = match unavailable(TransportKind::Shm, local, remote) {
+                None => {
+                    return Ok(Selection {
+                        kind: TransportKind::Shm,
+                        reason: format!(
+                            "same node: peer memory is mapped directly (cuda-ipc not possible: {no_ipc})"
+                        ),
+                    });
+                }
+                Some(r) => r,
+            };
+            let no_rdma = match unavailable(TransportKind::Rdma, local, remote) {
+                None => {
+                    return Ok(Selection {
+                        kind: TransportKind::Rdma,
+                        reason: format!(
+                            "RDMA devices on both ends: one-sided READ/WRITE (shm not possible: \
+                             {no_shm}; cuda-ipc not possible: {no_ipc})"
+                        ),
+                    });
+                }
+                Some(r) => r,
+            };
+            match unavailable(TransportKind::Tcp, local, remote) {
                 None => Ok(Selection {
-                    kind: TransportKind::Shm,
+                    kind: TransportKind::Tcp,
                     reason: format!(
-                        "same node: peer memory is mapped directly (cuda-ipc not possible: {no_ipc})"
+                        "shm not possible: {no_shm}; cuda-ipc not possible: {no_ipc}; rdma not \
+                         possible: {no_rdma}"
                     ),
                 }),
-                Some(no_shm) => match unavailable(TransportKind::Tcp, local_node, remote) {
-                    None => Ok(Selection {
-                        kind: TransportKind::Tcp,
-                        reason: format!(
-                            "shm not possible: {no_shm}; cuda-ipc not possible: {no_ipc}"
-                        ),
-                    }),
-                    Some(no_tcp) => Err(Error::TransportUnavailable {
-                        transport: TransportKind::Tcp,
-                        segment: remote.name.clone(),
-                        reason: format!("{no_tcp}; shm not possible: {no_shm}"),
-                    }),
-                },
+                Some(no_tcp) => Err(Error::TransportUnavailable {
+                    transport: TransportKind::Tcp,
+                    segment: remote.name.clone(),
+                    reason: format!(
+                        "{no_tcp}; shm not possible: {no_shm}; rdma not possible: {no_rdma}"
+                    ),
+                }),
             }
         }
     }
@@ -193,7 +265,11 @@ mod tests {
         let err = select("n1", &desc("n2", true, true), "shm".parse().unwrap()).unwrap_err();
         assert!(err.to_string().contains("another node"), "{err}");
         let err = select("n1", &desc("n1", true, true), "rdma".parse().unwrap()).unwrap_err();
-        assert!(err.to_string().contains("not built"), "{err}");
+        if cfg!(feature = "rdma") {
+            assert!(err.to_string().contains("exchange"), "{err}");
+        } else {
+            assert!(err.to_string().contains("not built"), "{err}");
+        }
         assert!("carrier-pigeon".parse::<Preference>().is_err());
     }
 
@@ -231,5 +307,107 @@ mod tests {
         let s = select("n1", &desc("n1", true, true), Preference::Auto).unwrap();
         assert_eq!(s.kind, TransportKind::Shm);
         assert!(s.reason.contains("cuda-ipc not possible"), "{}", s.reason);
+    }
+}
+
+#[cfg(test)]
+mod rdma_tests {
+    use super::*;
+    use crate::region::{AccessKey, RegionId};
+    use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RdmaKey, RegionDesc};
+
+    fn desc(keys: &[bool]) -> SegmentDescriptor {
+        SegmentDescriptor {
+            version: DESCRIPTOR_VERSION,
+            name: "decode-0".into(),
+            node: "n2".into(),
+            regions: keys
+                .iter()
+                .enumerate()
+                .map(|(i, &k)| RegionDesc {
+                    id: RegionId(i as u64 + 1),
+                    len: 10,
+                    location: Location::Host { numa: None },
+                    key: AccessKey(1),
+                    shareable: false,
+                    ipc: None,
+                    rdma: if k {
+                        vec![RdmaKey {
+                            nic: "mlx5_0".into(),
+                            addr: 0x1000,
+                            rkey: 7,
+                        }]
+                    } else {
+                        Vec::new()
+                    },
+                })
+                .collect(),
+            endpoints: Endpoints {
+                tcp: Some("127.0.0.1:1".parse().unwrap()),
+                shm: None,
+            },
+        }
+    }
+
+    fn local(rdma: std::result::Result<(), &str>) -> Local<'static> {
+        Local {
+            node: "n1",
+            rdma: rdma.map_err(str::to_string),
+        }
+    }
+
+    #[test]
+    fn auto_picks_rdma_before_tcp_when_both_ends_have_it() {
+        let s = select_for(&local(Ok(())), &desc(&[true, true]), Preference::Auto).unwrap();
+        if cfg!(feature = "rdma") {
+            assert_eq!(s.kind, TransportKind::Rdma);
+            assert!(
+                s.reason.contains("RDMA devices on both ends"),
+                "{}",
+                s.reason
+            );
+            assert!(s.reason.contains("another node"), "{}", s.reason);
+        } else {
+            assert_eq!(s.kind, TransportKind::Tcp);
+            assert!(s.reason.contains("feature `rdma` is off"), "{}", s.reason);
+        }
+    }
+
+    #[test]
+    fn every_reason_against_rdma_is_named() {
+        let only = Preference::Only(TransportKind::Rdma);
+        let why = |l: Local<'_>, d: &SegmentDescriptor| -> String {
+            select_for(&l, d, only).unwrap_err().to_string()
+        };
+        if !cfg!(feature = "rdma") {
+            let msg = why(local(Ok(())), &desc(&[true]));
+            assert!(msg.contains("feature `rdma` is off"), "{msg}");
+            return;
+        }
+        let msg = why(
+            local(Err("no usable RDMA device here: none")),
+            &desc(&[true]),
+        );
+        assert!(msg.contains("no usable RDMA device here"), "{msg}");
+        let msg = why(local(Ok(())), &desc(&[]));
+        assert!(msg.contains("no regions"), "{msg}");
+        let msg = why(local(Ok(())), &desc(&[false, false]));
+        assert!(msg.contains("no rdma keys"), "{msg}");
+        let msg = why(local(Ok(())), &desc(&[true, false]));
+        assert!(
+            msg.contains("region 2") && msg.contains("no rdma key"),
+            "{msg}"
+        );
+        // Auto falls to tcp and says why not rdma.
+        let s = select_for(&local(Ok(())), &desc(&[false]), Preference::Auto).unwrap();
+        assert_eq!(s.kind, TransportKind::Tcp);
+        assert!(
+            s.reason
+                .contains("rdma not possible: peer publishes no rdma keys"),
+            "{}",
+            s.reason
+        );
+        let s = select("n1", &desc(&[true]), Preference::Auto).unwrap();
+        assert!(s.reason.contains("RdmaExchange"), "{}", s.reason);
     }
 }
