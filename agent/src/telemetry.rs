@@ -130,9 +130,19 @@ pub fn init(
     }
     let provider = builder.build();
     opentelemetry::global::set_tracer_provider(provider.clone());
+    // Every info span (the kvfabric ones, and those of a worker embedding the client), but not
+    // the transport plumbing underneath, which would trace the exporter's own calls.
     let spans = tracing_subscriber::filter::Targets::new()
-        .with_target("kvfabric_agent", tracing::Level::INFO)
-        .with_target("kvfabric_engine", tracing::Level::INFO);
+        .with_default(tracing::Level::INFO)
+        .with_target("h2", tracing::Level::WARN)
+        .with_target("hyper", tracing::Level::WARN)
+        .with_target("hyper_util", tracing::Level::WARN)
+        .with_target("tower", tracing::Level::WARN)
+        .with_target("tonic", tracing::Level::WARN)
+        .with_target("opentelemetry", tracing::Level::WARN)
+        .with_target("opentelemetry_sdk", tracing::Level::WARN)
+        .with_target("opentelemetry_otlp", tracing::Level::WARN)
+        .with_target("etcd_client", tracing::Level::WARN);
     let layer = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("kvfabric"))
         .with_filter(spans);
