@@ -547,6 +547,7 @@ impl Node {
                 // RDMA to this peer was given up: the batch goes again over the next allowed
                 // transport, whose link reason says why (as does the batch result).
                 link.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::Span::current().record("kvfabric.retries", 1);
                 warn!(agent = %link.agent, reason = %e, "rdma given up; the batch is retried over the next transport");
                 self.rdma_given_up
                     .lock()
