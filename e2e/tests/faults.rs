@@ -97,6 +97,22 @@ async fn killing_the_serving_agent_mid_batch_fails_the_waiting_worker_in_time() 
     assert!(p.decode.status().await.is_ok());
 }
 
+/// Waits (up to three TTLs) until etcd holds both agents' and both segments' keys again.
+async fn all_keys_back(kv: &etcd_client::Client, what: &str) -> Duration {
+    within(Duration::from_secs(TTL_SECS * 3), what, || {
+        let mut kv = kv.clone();
+        async move {
+            let keys = etcd_client::GetOptions::new()
+                .with_prefix()
+                .with_keys_only();
+            kv.get("/kvfabric/e2e/", Some(keys))
+                .await
+                .is_ok_and(|r| r.kvs().len() == 4)
+        }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_down_keeps_transfers_going_and_agents_re_register_within_a_ttl() {
     let Some(mut p) = pair().await else { return };
@@ -133,26 +149,7 @@ async fn etcd_down_keeps_transfers_going_and_agents_re_register_within_a_ttl() {
     p.etcd.start_again().await.unwrap();
     let back = Instant::now();
     let kv = p.etcd.client().await.unwrap();
-    let took = within(
-        Duration::from_secs(TTL_SECS * 3),
-        "both agents and segments back in etcd",
-        || {
-            let mut kv = kv.clone();
-            async move {
-                kv.get(
-                    "/kvfabric/e2e/",
-                    Some(
-                        etcd_client::GetOptions::new()
-                            .with_prefix()
-                            .with_keys_only(),
-                    ),
-                )
-                .await
-                .is_ok_and(|r| r.kvs().len() == 4)
-            }
-        },
-    )
-    .await;
+    let took = all_keys_back(&kv, "both agents and segments back in etcd").await;
     println!("re-registered {took:?} after etcd came back (TTL {TTL_SECS} s)");
     assert!(
         back.elapsed() <= Duration::from_secs(TTL_SECS) + Duration::from_millis(500),
@@ -164,24 +161,9 @@ async fn etcd_down_keeps_transfers_going_and_agents_re_register_within_a_ttl() {
     std::fs::remove_dir_all(p.etcd.data_dir()).unwrap();
     p.etcd.start_again().await.unwrap();
     let back = Instant::now();
-    let took = within(
-        Duration::from_secs(TTL_SECS * 3),
+    let took = all_keys_back(
+        &kv,
         "both agents and segments re-registered in a wiped etcd",
-        || {
-            let mut kv = kv.clone();
-            async move {
-                kv.get(
-                    "/kvfabric/e2e/",
-                    Some(
-                        etcd_client::GetOptions::new()
-                            .with_prefix()
-                            .with_keys_only(),
-                    ),
-                )
-                .await
-                .is_ok_and(|r| r.kvs().len() == 4)
-            }
-        },
     )
     .await;
     println!("re-registered {took:?} after a wiped etcd came back (TTL {TTL_SECS} s)");

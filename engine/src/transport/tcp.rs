@@ -597,10 +597,7 @@ impl Conn {
         let io = |e| closed_or_io(e, &self.peer);
         if chunk.job.is_cancelled() {
             // The caller has moved on; keep the stream in step without touching its memory.
-            discard(stream, h.len, scratch).map_err(io)?;
-            if h.has(FLAG_CRC) {
-                discard(stream, h.count as u64 * 4, scratch).map_err(io)?;
-            }
+            discard_reply(stream, &h, scratch).map_err(io)?;
             chunk.job.piece_failed(Error::Cancelled {
                 batch: chunk.job.id,
             });
@@ -625,35 +622,15 @@ impl Conn {
                 return Err(e);
             }
         }
-        if chunk.job.checksum {
-            if !h.has(FLAG_CRC) {
-                chunk.job.piece_failed(Error::Frame(FrameError::Body {
-                    what: "read data",
-                    reason: "checksum requested but none sent".into(),
-                }));
-                return Ok(());
-            }
-            let mut raw = vec![0u8; h.count as usize * 4];
-            stream.read_exact(&mut raw).map_err(io)?;
-            let crcs = decode_crcs(h.count, &raw)?;
-            for (p, expected) in chunk.pieces.iter().zip(crcs) {
+        let computed = chunk.job.checksum.then(|| {
+            chunk
+                .pieces
+                .iter()
                 // SAFETY: leased and just filled by this thread.
-                let computed = crc32c::crc32c(unsafe { p.local.as_slice() });
-                if computed != expected {
-                    chunk.job.piece_failed(Error::Checksum {
-                        op: p.op,
-                        expected,
-                        computed,
-                    });
-                    return Ok(());
-                }
-            }
-        } else if h.has(FLAG_CRC) {
-            discard(stream, h.count as u64 * 4, scratch).map_err(io)?;
-        }
-        self.moved.fetch_add(chunk.bytes, Ordering::Relaxed);
-        chunk.job.piece_done(chunk.bytes);
-        Ok(())
+                .map(|p| crc32c::crc32c(unsafe { p.local.as_slice() }))
+                .collect()
+        });
+        self.finish_read(stream, &h, &chunk, computed, scratch)
     }
 
     /// The GPU half of `read_reply`: the payload goes through the reader's staging ring into
@@ -671,10 +648,7 @@ impl Conn {
             Ok(r) => r,
             Err(e) => {
                 // Keep the stream in step without touching the destination.
-                discard(stream, h.len, scratch).map_err(io)?;
-                if h.has(FLAG_CRC) {
-                    discard(stream, h.count as u64 * 4, scratch).map_err(io)?;
-                }
+                discard_reply(stream, h, scratch).map_err(io)?;
                 chunk.job.piece_failed(e);
                 return Ok(());
             }
@@ -686,7 +660,21 @@ impl Conn {
             chunk.job.piece_failed(e.duplicate());
             return Err(e);
         }
-        if let Some(computed) = crcs {
+        self.finish_read(stream, h, chunk, crcs, scratch)
+    }
+
+    /// The end of a read reply whose payload has landed: the checksums the batch asked for
+    /// (`computed`, one per piece) against the trailer, then completion.
+    fn finish_read(
+        &self,
+        stream: &mut &TcpStream,
+        h: &Header,
+        chunk: &Chunk,
+        computed: Option<Vec<u32>>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        let io = |e| closed_or_io(e, &self.peer);
+        if let Some(computed) = computed {
             if !h.has(FLAG_CRC) {
                 chunk.job.piece_failed(Error::Frame(FrameError::Body {
                     what: "read data",
@@ -851,4 +839,17 @@ fn write_chunk(stream: &mut &TcpStream, chunk: &Chunk, head: &mut Vec<u8>) -> st
         bufs.push(IoSlice::new(&trailer));
     }
     write_all_vectored(stream, &mut bufs)
+}
+
+/// Skips a read reply's payload and crc trailer, keeping the stream in step.
+fn discard_reply(
+    stream: &mut &TcpStream,
+    h: &Header,
+    scratch: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    discard(stream, h.len, scratch)?;
+    if h.has(FLAG_CRC) {
+        discard(stream, h.count as u64 * 4, scratch)?;
+    }
+    Ok(())
 }
