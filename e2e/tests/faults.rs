@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{BLOCK, TTL_SECS, etcd_on, sees, within};
+use common::{BLOCK, TTL_SECS, etcd_on, prefill_and_decode, sees, within};
 use kvfabric_agent::client::{Client, SubmitOptions};
 use kvfabric_agent::rpc::pb::Opcode;
 use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
@@ -37,10 +37,7 @@ async fn pair() -> Option<Pair> {
         "--connect-timeout-ms",
         "1000",
     ];
-    let a = AgentProcess::spawn("prefill-node", &net.hosts[0], &etcd.endpoint(), &flags);
-    let b = AgentProcess::spawn("decode-node", &net.hosts[1], &etcd.endpoint(), &flags);
-    let prefill = Client::connect(a.socket_dir()).await.unwrap();
-    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let (a, b, prefill, decode) = prefill_and_decode(&net, &etcd, &flags, &[]).await;
     Some(Pair {
         net,
         etcd,

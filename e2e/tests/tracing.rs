@@ -7,13 +7,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{BLOCK, etcd_on, sees, within};
-use kvfabric_agent::client::Client;
+use common::{BLOCK, etcd_on, prefill_and_decode, sees, within};
+
 use kvfabric_agent::metrics::scrape;
 use kvfabric_agent::otlp_sink::{Receiver, Span};
 use kvfabric_agent::telemetry::{self, TraceConfig};
+use kvfabric_e2e::Network;
 use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
-use kvfabric_e2e::{AgentProcess, Network};
 use tracing::Instrument;
 
 const FAST_EXPORT: [(&str, &str); 1] = [("OTEL_BSP_SCHEDULE_DELAY", "100")];
@@ -42,22 +42,7 @@ async fn one_trace_spans_the_worker_both_agents_and_the_transport() {
     .unwrap();
     let otlp = receiver.endpoint();
     let flags = ["--transports", "tcp", "--otlp-endpoint", &otlp];
-    let a = AgentProcess::spawn_env(
-        "prefill-node",
-        &net.hosts[0],
-        &etcd.endpoint(),
-        &flags,
-        &FAST_EXPORT,
-    );
-    let b = AgentProcess::spawn_env(
-        "decode-node",
-        &net.hosts[1],
-        &etcd.endpoint(),
-        &flags,
-        &FAST_EXPORT,
-    );
-    let prefill = Client::connect(a.socket_dir()).await.unwrap();
-    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let (_a, b, prefill, decode) = prefill_and_decode(&net, &etcd, &flags, &FAST_EXPORT).await;
     let src = random_memory(256 * BLOCK, 1);
     let dst = random_memory(64 * BLOCK, 2);
     let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
@@ -192,22 +177,7 @@ async fn an_unreachable_collector_drops_and_counts_spans_while_transfers_go_on()
     // Nothing listens there.
     let dead = format!("http://{}:1", net.gateway);
     let flags = ["--transports", "tcp", "--otlp-endpoint", &dead];
-    let a = AgentProcess::spawn_env(
-        "prefill-node",
-        &net.hosts[0],
-        &etcd.endpoint(),
-        &flags,
-        &FAST_EXPORT,
-    );
-    let b = AgentProcess::spawn_env(
-        "decode-node",
-        &net.hosts[1],
-        &etcd.endpoint(),
-        &flags,
-        &FAST_EXPORT,
-    );
-    let prefill = Client::connect(a.socket_dir()).await.unwrap();
-    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let (_a, b, prefill, decode) = prefill_and_decode(&net, &etcd, &flags, &FAST_EXPORT).await;
     let src = random_memory(64 * BLOCK, 3);
     let dst = random_memory(64 * BLOCK, 4);
     let p = prefill.register("prefill-0", &[&src], None).await.unwrap();

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use kvfabric_agent::client::Client;
 use kvfabric_agent::testkit::EtcdServer;
+use kvfabric_e2e::{AgentProcess, Network};
 
 pub const TTL_SECS: u64 = 3;
 pub const BLOCK: u64 = 32 << 10;
@@ -40,4 +41,20 @@ pub async fn sees(client: &Client, segment: &str) -> bool {
         .status()
         .await
         .is_ok_and(|s| s.segments.iter().any(|x| x.name == segment))
+}
+
+/// The prefill agent on host 0 and the decode agent on host 1 of `net`, both on `etcd` with
+/// `flags` and `env`, and a worker client of each.
+pub async fn prefill_and_decode(
+    net: &Network,
+    etcd: &EtcdServer,
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> (AgentProcess, AgentProcess, Client, Client) {
+    let spawn = |name, host| AgentProcess::spawn_env(name, host, &etcd.endpoint(), flags, env);
+    let a = spawn("prefill-node", &net.hosts[0]);
+    let b = spawn("decode-node", &net.hosts[1]);
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    (a, b, prefill, decode)
 }
