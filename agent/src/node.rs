@@ -1,7 +1,7 @@
 //! The agent's state: its engine, the segments its workers registered, and its data connections
 //! to other agents (opened through their peer API, cached, re-opened after a failure).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvfabric_engine::{
     AccessKey, Batch, BlockOp, CudaExport, Engine, IpcHandle, Location, Opcode, Peer, Preference,
-    Region, SegmentDescriptor, TransportKind,
+    Region, RegionId, SegmentDescriptor, TransportKind,
 };
 use serde::Serialize;
 use tracing::{Instrument, field, info, info_span, warn};
@@ -484,13 +484,16 @@ impl Node {
         span.record("kvfabric.transport", link.peer.transport().to_string());
         span.record("kvfabric.transport.reason", link.reason.as_str());
         let descriptor = self.fresh_descriptor(&link, &remote).await?;
-        for r in &remote.regions {
-            let served = descriptor.region(r.id);
-            if served.is_some_and(|d| d.key != AccessKey(t.remote_key)) {
-                return Err(Error::WrongKey {
-                    name: remote.name.clone(),
-                });
-            }
+        let keys: HashMap<RegionId, AccessKey> =
+            descriptor.regions.iter().map(|d| (d.id, d.key)).collect();
+        let wrong = |r: &SegmentRegion| {
+            keys.get(&r.id)
+                .is_some_and(|k| *k != AccessKey(t.remote_key))
+        };
+        if remote.regions.iter().any(wrong) {
+            return Err(Error::WrongKey {
+                name: remote.name.clone(),
+            });
         }
         let transport = info_span!(
             "kvfabric.transport",
@@ -717,7 +720,7 @@ impl Node {
         segment: &SegmentEntry,
     ) -> Result<SegmentDescriptor> {
         let known = link.peer.descriptor();
-        if segment.regions.iter().all(|r| known.region(r.id).is_some()) {
+        if unserved(&known, segment).is_none() {
             return Ok(known);
         }
         let agent = self
@@ -729,11 +732,7 @@ impl Node {
             })?;
         let fresh = self.peer_descriptor(&agent).await?;
         link.peer.set_descriptor(fresh.clone());
-        if let Some(r) = segment
-            .regions
-            .iter()
-            .find(|r| fresh.region(r.id).is_none())
-        {
+        if let Some(r) = unserved(&fresh, segment) {
             return Err(Error::PeerAgent {
                 agent: link.agent.clone(),
                 addr: agent.peer_addr.to_string(),
@@ -767,6 +766,16 @@ impl Node {
     pub fn closed_bytes(&self) -> u64 {
         self.closed_bytes.load(Ordering::Relaxed)
     }
+}
+
+/// The first region of `segment` that `descriptor` does not serve (one pass over each, since a
+/// segment may hold thousands of regions and this runs for every batch).
+fn unserved<'a>(
+    descriptor: &SegmentDescriptor,
+    segment: &'a SegmentEntry,
+) -> Option<&'a SegmentRegion> {
+    let served: HashSet<RegionId> = descriptor.regions.iter().map(|r| r.id).collect();
+    segment.regions.iter().find(|r| !served.contains(&r.id))
 }
 
 /// Errors after which the connection cannot be trusted to carry the next batch.
