@@ -90,6 +90,8 @@ pub(crate) struct Job {
     cancelled: AtomicBool,
     /// Set with `Completion::finished`, for waiters that poll before they sleep.
     finished: AtomicBool,
+    /// Threads that may sleep on `done_cv`: with none, finishing skips the wake-up syscall.
+    sleepers: AtomicUsize,
     done: Mutex<Completion>,
     done_cv: Condvar,
     _leases: Vec<Lease>,
@@ -120,6 +122,7 @@ impl Job {
             bytes: AtomicU64::new(0),
             cancelled: AtomicBool::new(false),
             finished: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
             done: Mutex::default(),
             done_cv: Condvar::new(),
             _leases: leases,
@@ -172,7 +175,11 @@ impl Job {
             self.finished.store(true, Ordering::Release);
             done.waker.take()
         };
-        self.done_cv.notify_all();
+        // A sleeper counts itself before it takes the lock we just released, so it either saw
+        // `finished` or is counted here.
+        if self.sleepers.load(Ordering::Acquire) > 0 {
+            self.done_cv.notify_all();
+        }
         if let Some(w) = waker {
             w.wake();
         }
@@ -259,6 +266,7 @@ impl BatchHandle {
             }
         }
         let deadline = Instant::now() + self.timeout;
+        self.job.sleepers.fetch_add(1, Ordering::AcqRel);
         let mut done = self.job.done.lock().unwrap_or_else(|e| e.into_inner());
         let mut timed_out = false;
         while !done.finished {
@@ -275,6 +283,7 @@ impl BatchHandle {
                 .0;
         }
         drop(done);
+        self.job.sleepers.fetch_sub(1, Ordering::AcqRel);
         self.conclude(timed_out)
     }
 
