@@ -83,12 +83,172 @@ extern "C" __global__ void __launch_bounds__(512) kvf_copy(KvfOpList* list)
     }
 }
 
-// Small batches: warp w copies op w, straight from the parameters.
+// The doorbell: a one-CTA kernel that lingers on the GPU, polling a ring in pinned host memory for
+// small batches, so a latency-bound op costs no kernel launch (a launch alone takes microseconds).
+// Entries are written "LL"-style: every 8-byte word holds 4 bytes of data and, in its high half,
+// the entry's sequence number + 1, so one read of the entry both finds it and validates every
+// word (no separate head to poll first: one PCIe round trip less). The host writes the words,
+// then the header word (the op count) last. The kernel copies the ops with all its threads,
+// fences, and advances `tail`. After `idle_ns` without work it clears `state` and exits; the host
+// relaunches it when it finds `state` clear and no launch of its own still pending (`started`).
+#define KVF_RING 64
+// Header word + 6 words (src, dst, len as 32-bit halves) per op.
+#define KVF_ENTRY_WORDS (1 + 6 * KVF_INLINE_OPS)
+
+struct KvfRing {
+    unsigned long long stop;        // host: nonzero asks the kernel to exit
+    unsigned long long host_pad[15];
+    unsigned long long tail;        // kernel: entries finished
+    unsigned long long state;       // kernel: 1 while it serves the ring
+    unsigned long long started;     // kernel: the launch generation now (or last) running
+    unsigned long long kernel_pad[13];
+    unsigned long long entries[KVF_RING][128];
+};
+
+__device__ __forceinline__ unsigned long long kvf_now_ns()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// All threads of the CTA copy one op; a 4 KiB op is one 16-byte access per thread.
+__device__ __forceinline__ void kvf_copy_cta(const KvfOp& op)
+{
+    const unsigned t = threadIdx.x;
+    if (((op.src | op.dst | op.len) & 15ULL) == 0) {
+        const uint4* __restrict__ s = reinterpret_cast<const uint4*>(op.src);
+        uint4* __restrict__ d = reinterpret_cast<uint4*>(op.dst);
+        const unsigned long long n = op.len >> 4;
+        for (unsigned long long base = t; base < n; base += blockDim.x * KVF_UNROLL) {
+            uint4 r[KVF_UNROLL];
+#pragma unroll
+            for (int k = 0; k < KVF_UNROLL; ++k) {
+                const unsigned long long j = base + (unsigned long long)blockDim.x * k;
+                if (j < n) {
+                    r[k] = __ldcs(s + j);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < KVF_UNROLL; ++k) {
+                const unsigned long long j = base + (unsigned long long)blockDim.x * k;
+                if (j < n) {
+                    __stcs(d + j, r[k]);
+                }
+            }
+        }
+    } else {
+        const unsigned char* s = reinterpret_cast<const unsigned char*>(op.src);
+        unsigned char* d = reinterpret_cast<unsigned char*>(op.dst);
+        for (unsigned long long j = t; j < op.len; j += blockDim.x) {
+            d[j] = s[j];
+        }
+    }
+}
+
+// Small batches: CTA b copies op b with all its threads, straight from the parameters (one
+// 16-byte access per thread covers a 4 KiB op in one round trip).
 extern "C" __global__ void __launch_bounds__(512) kvf_copy_inline(const KvfInline p)
 {
-    const unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (warp < p.count) {
-        kvf_copy_one(p.ops[warp], threadIdx.x & 31);
+    if (blockIdx.x < p.count) {
+        kvf_copy_cta(p.ops[blockIdx.x]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(512)
+kvf_doorbell(KvfRing* ring, unsigned long long idle_ns, unsigned long long generation)
+{
+    volatile KvfRing* r = ring;
+    __shared__ unsigned int data[KVF_ENTRY_WORDS];
+    __shared__ int cmd;  // ops in the entry found, or -1: leave
+    const unsigned t = threadIdx.x;
+    unsigned long long tail = r->tail;
+    if (t == 0) {
+        r->started = generation;
+        r->state = 1;
+        __threadfence_system();
+    }
+    for (;;) {
+        const unsigned want = (unsigned)(tail + 1);
+        const volatile unsigned long long* e = r->entries[tail % KVF_RING];
+        // Warp 0 alone polls the header and the first five ops (one 256-byte read); the other
+        // warps wait at the barrier.
+        if (t < 32) {
+            const unsigned long long since = kvf_now_ns();
+            for (unsigned polls = 1;; ++polls) {
+                const unsigned long long word = e[t];
+                const unsigned long long header = __shfl_sync(0xffffffffu, word, 0);
+                const unsigned n = (unsigned)header;
+                const bool found = (unsigned)(header >> 32) == want && n <= KVF_INLINE_OPS;
+                const bool valid = found && (t >= 1 + 6 * n || (unsigned)(word >> 32) == want);
+                if (__all_sync(0xffffffffu, valid)) {
+                    data[t] = (unsigned)word;
+                    if (t == 0) {
+                        cmd = (int)n;
+                    }
+                    break;
+                }
+                bool leave = false;
+                if (t == 0 && polls % 64 == 0) {
+                    if (r->stop != 0) {
+                        r->state = 0;
+                        leave = true;
+                    } else if (kvf_now_ns() - since > idle_ns) {
+                        // Dekker with the host: it writes the header, then reads state; we
+                        // write state, then read the header. One of us sees the other.
+                        r->state = 0;
+                        __threadfence_system();
+                        leave = (unsigned)(e[0] >> 32) != want;
+                        if (!leave) {
+                            r->state = 1;
+                        }
+                    }
+                }
+                if (__any_sync(0xffffffffu, leave)) {
+                    if (t == 0) {
+                        cmd = -1;
+                    }
+                    break;
+                }
+            }
+        }
+        __syncthreads();
+        const int c = cmd;
+        if (c < 0) {
+            return;
+        }
+        const unsigned count = (unsigned)c;
+        const unsigned words = 1 + 6 * count;
+        if (words > 32) {
+            // The rest of a longer entry. The header was written last, so this is there now;
+            // the loop only guards against a torn read.
+            const bool mine = t >= 32 && t < words;
+            for (;;) {
+                const unsigned long long word = mine ? e[t] : 0;
+                if (__syncthreads_and(!mine || (unsigned)(word >> 32) == want)) {
+                    if (mine) {
+                        data[t] = (unsigned)word;
+                    }
+                    break;
+                }
+            }
+        }
+        __syncthreads();
+        for (unsigned i = 0; i < count; ++i) {
+            const unsigned* w = data + 1 + 6 * i;
+            KvfOp op;
+            op.src = (unsigned long long)w[0] | ((unsigned long long)w[1] << 32);
+            op.dst = (unsigned long long)w[2] | ((unsigned long long)w[3] << 32);
+            op.len = (unsigned long long)w[4] | ((unsigned long long)w[5] << 32);
+            kvf_copy_cta(op);
+        }
+        // Every thread's copies are visible system-wide before the host hears of them.
+        __threadfence_system();
+        __syncthreads();
+        tail += 1;
+        if (t == 0) {
+            r->tail = tail;
+        }
     }
 }
 

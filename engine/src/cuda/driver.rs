@@ -52,6 +52,7 @@ unsafe impl Sync for Device {}
 pub(crate) struct Kernels {
     pub copy: sys::CUfunction,
     pub copy_inline: sys::CUfunction,
+    pub doorbell: sys::CUfunction,
     pub fill: sys::CUfunction,
     pub verify: sys::CUfunction,
 }
@@ -180,6 +181,7 @@ impl Device {
         Ok(Kernels {
             copy: get("kvf_copy")?,
             copy_inline: get("kvf_copy_inline")?,
+            doorbell: get("kvf_doorbell")?,
             fill: get("kvf_fill")?,
             verify: get("kvf_verify")?,
         })
@@ -370,6 +372,29 @@ impl Pinned {
         })?;
         Ok(Pinned { ptr: p.cast(), len })
     }
+
+    /// Pinned memory the GPU reads and writes in place (zeroed), with its device address.
+    pub(crate) fn mapped(device: &Device, len: usize) -> Result<(Pinned, u64)> {
+        device.bind()?;
+        let mut p = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(
+                &mut p,
+                len.max(1),
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        })?;
+        let pinned = Pinned { ptr: p.cast(), len };
+        // SAFETY: `len` bytes just allocated.
+        unsafe { std::ptr::write_bytes(pinned.ptr, 0, len) };
+        let mut dptr = 0;
+        // SAFETY: `p` is a live mapped allocation; flags must be 0.
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0)
+        })?;
+        Ok((pinned, dptr))
+    }
 }
 
 impl Drop for Pinned {
@@ -443,12 +468,18 @@ impl Event {
 
     /// Polls until the event completes (lowest latency, one core busy meanwhile).
     pub(crate) fn spin(&self) -> Result<()> {
-        loop {
-            // SAFETY: live handle.
-            match unsafe { sys::cuEventQuery(self.0) } {
-                sys::CUresult::CUDA_ERROR_NOT_READY => std::hint::spin_loop(),
-                r => return check("cuEventQuery", r),
-            }
+        while !self.query()? {
+            std::hint::spin_loop();
+        }
+        Ok(())
+    }
+
+    /// Whether the work before the event has completed (an error if it failed).
+    pub(crate) fn query(&self) -> Result<bool> {
+        // SAFETY: live handle.
+        match unsafe { sys::cuEventQuery(self.0) } {
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|()| true),
         }
     }
 

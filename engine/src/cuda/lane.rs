@@ -2,6 +2,8 @@
 //! completion thread. A batch takes a slot, becomes ONE piece of GPU work (a kernel launch over a
 //! device-side op list, or one batched copy-engine call), and is completed by the thread that
 //! waits on the slot's event, so the submitting thread never waits and no thread spins by default.
+//! A spinning lane also runs small batches through its doorbell (no launch at all), and a caller
+//! about to block anyway (`run_here`) waits for its own batch instead of being woken.
 
 use std::any::Any;
 use std::ffi::c_void;
@@ -14,6 +16,7 @@ use cudarc::driver::sys;
 use tracing::warn;
 
 use super::CudaPath;
+use super::doorbell::{Doorbell, Ticket};
 use super::driver::{self, Device, DeviceMem, Event, Pinned, Stream, check};
 use super::oplist::OpList;
 use crate::error::{Error, Result};
@@ -24,6 +27,9 @@ const MAX_PIECE: u64 = 64 << 10;
 const INLINE_OPS: usize = 16;
 /// A spinning completion thread goes back to sleeping after this long without work.
 const SPIN_IDLE: Duration = Duration::from_millis(20);
+/// The doorbell kernel exits after this long without a batch: long enough to stay up between
+/// the ops of a burst, short enough that an idle fabric holds no SM.
+const DOORBELL_IDLE: Duration = Duration::from_micros(500);
 
 /// `KvfInline` of copy.cu.
 #[repr(C)]
@@ -50,8 +56,14 @@ struct Slot {
     list: OpList,
 }
 
+/// What a batch in flight is waited on by.
+enum Wait {
+    Event(Slot),
+    Doorbell(Ticket),
+}
+
 struct Pending {
-    slot: Slot,
+    wait: Wait,
     done: Done,
     _keep: Vec<Arc<dyn Any + Send + Sync>>,
 }
@@ -61,6 +73,8 @@ pub(crate) struct Lane {
     free: Arc<Mutex<Vec<Slot>>>,
     tx: Mutex<Sender<Pending>>,
     spin: bool,
+    /// Spinning lanes only: small batches without a launch.
+    doorbell: Option<Arc<Doorbell>>,
     /// Cleared once the driver refuses cuMemcpyBatchAsync; the CE path then issues one async copy
     /// per op on the slot's stream.
     ce_batch: AtomicBool,
@@ -78,21 +92,36 @@ impl Lane {
         let (tx, rx) = channel::<Pending>();
         let free: Arc<Mutex<Vec<Slot>>> = Arc::default();
         let back = free.clone();
+        let doorbell = if spin {
+            Some(Arc::new(Doorbell::new(device, DOORBELL_IDLE)?))
+        } else {
+            None
+        };
+        let bell = doorbell.clone();
         std::thread::Builder::new()
             .name(format!("kvf-cuda{}-done", device.ordinal))
             .spawn(move || {
                 let bound = device.bind();
                 while let Some(p) = next(&rx, spin) {
-                    let r = bound.as_ref().map_err(|e| e.duplicate()).and_then(|_| {
-                        if spin {
-                            p.slot.event.spin()
-                        } else {
-                            p.slot.event.synchronize()
-                        }
-                    });
-                    let Pending { slot, done, _keep } = p;
+                    let Pending { wait, done, _keep } = p;
+                    let r = bound
+                        .as_ref()
+                        .map_err(|e| e.duplicate())
+                        .and_then(|_| match &wait {
+                            Wait::Event(slot) if spin => slot.event.spin(),
+                            Wait::Event(slot) => slot.event.synchronize(),
+                            Wait::Doorbell(ticket) => {
+                                let bell = bell
+                                    .as_ref()
+                                    .expect("tickets come from this lane's doorbell");
+                                while !bell.finished(*ticket) {
+                                    std::thread::sleep(Duration::from_micros(20));
+                                }
+                                Ok(())
+                            }
+                        });
                     // The slot's buffers are free again only once the GPU is past them.
-                    if r.is_ok() {
+                    if let (Ok(()), Wait::Event(slot)) = (&r, wait) {
                         back.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
                     }
                     drop(_keep);
@@ -105,6 +134,7 @@ impl Lane {
             free,
             tx: Mutex::new(tx),
             spin,
+            doorbell,
             ce_batch: AtomicBool::new(true),
         }))
     }
@@ -133,6 +163,63 @@ impl Lane {
         done: Done,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
     ) -> Result<()> {
+        let slot = self.enqueue(path, copies, hints)?;
+        self.hand_over(Wait::Event(slot), done, keep)
+    }
+
+    /// Like `submit`, for a caller that blocks on the batch right after: on a spinning lane this
+    /// thread waits for the GPU itself (and small batches go through the doorbell), so no other
+    /// thread has to wake it. Past `deadline` the wait goes to the completion thread.
+    pub(crate) fn run_here(
+        &self,
+        path: CudaPath,
+        copies: &[DeviceCopy],
+        hints: (u32, u32),
+        done: Done,
+        keep: Vec<Arc<dyn Any + Send + Sync>>,
+        deadline: Instant,
+    ) -> Result<()> {
+        if !self.spin {
+            return self.submit(path, copies, hints, done, keep);
+        }
+        if let (CudaPath::Sm, Some(bell)) = (path, &self.doorbell)
+            && let Some(ops) = Doorbell::fits(copies)
+            && let Some(ticket) = bell.ring(&ops)?
+        {
+            while !bell.finished(ticket) {
+                if Instant::now() >= deadline {
+                    return self.hand_over(Wait::Doorbell(ticket), done, keep);
+                }
+                std::hint::spin_loop();
+            }
+            drop(keep);
+            done(Ok(()));
+            return Ok(());
+        }
+        let slot = self.enqueue(path, copies, hints)?;
+        let r = loop {
+            match slot.event.query() {
+                Ok(false) if Instant::now() >= deadline => {
+                    return self.hand_over(Wait::Event(slot), done, keep);
+                }
+                Ok(false) => std::hint::spin_loop(),
+                Ok(true) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        if r.is_ok() {
+            self.free
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(slot);
+        }
+        drop(keep);
+        done(r);
+        Ok(())
+    }
+
+    /// Takes a slot and queues the copies and its completion event on its stream.
+    fn enqueue(&self, path: CudaPath, copies: &[DeviceCopy], hints: (u32, u32)) -> Result<Slot> {
         self.device.bind()?;
         let mut slot = self.slot()?;
         match path {
@@ -140,8 +227,17 @@ impl Lane {
             CudaPath::Ce => self.enqueue_copy_engine(&slot, copies, hints)?,
         }
         slot.event.record(&slot.stream)?;
+        Ok(slot)
+    }
+
+    fn hand_over(
+        &self,
+        wait: Wait,
+        done: Done,
+        keep: Vec<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<()> {
         let pending = Pending {
-            slot,
+            wait,
             done,
             _keep: keep,
         };
@@ -169,16 +265,9 @@ impl Lane {
                 *o = [op.src, op.dst, op.len];
             }
             let mut params = [(&mut inline as *mut InlineOps).cast::<c_void>()];
-            // SAFETY: kvf_copy_inline takes one KvfInline by value (laid out as InlineOps);
+            // One CTA per op. SAFETY: kvf_copy_inline takes one KvfInline by value (InlineOps);
             // the addresses in it are bounds-checked and kept alive until completion.
-            return unsafe {
-                driver::launch(
-                    k.copy_inline,
-                    n.div_ceil(warps_per_cta) as u32,
-                    slot.stream.0,
-                    &mut params,
-                )
-            };
+            return unsafe { driver::launch(k.copy_inline, n as u32, slot.stream.0, &mut params) };
         }
         let words = slot.list.words();
         let bytes = std::mem::size_of_val(words);

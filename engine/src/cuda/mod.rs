@@ -8,6 +8,8 @@ pub mod ipc;
 pub mod oplist;
 
 #[cfg(feature = "cuda")]
+mod doorbell;
+#[cfg(feature = "cuda")]
 pub(crate) mod driver;
 #[cfg(feature = "cuda")]
 pub(crate) mod lane;

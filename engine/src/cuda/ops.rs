@@ -439,22 +439,38 @@ pub fn selftest(devices: (u32, u32), rounds: usize, seed: u64) -> Result<Selftes
         driver::copy_htod(m.device, m.ptr, h)?;
     }
     let lane = Lane::new(a, false)?;
+    // A spinning lane: small batches of `run_here` go through its doorbell, others are waited
+    // for on the calling thread.
+    let spinning = Lane::new(a, true)?;
+    let modes = [
+        ("sm", &lane, CudaPath::Sm, false, 48usize),
+        ("ce", &lane, CudaPath::Ce, false, 48),
+        ("sm-doorbell", &spinning, CudaPath::Sm, true, 5),
+        ("sm-run-here", &spinning, CudaPath::Sm, true, 48),
+    ];
     let mut report = SelftestReport {
         devices,
         rounds,
         copies: 0,
         bytes: 0,
-        paths: vec!["sm".into(), "ce".into()],
+        paths: modes.iter().map(|m| m.0.to_string()).collect(),
     };
     for round in 0..rounds {
-        for path in [CudaPath::Sm, CudaPath::Ce] {
+        for &(path_name, lane, path, here, most) in &modes {
             // 0 → 1 is a push from the lane's device, 1 → 0 a pull into it.
             for (from, to) in [(0usize, 1usize), (1, 0)] {
-                let k = rng.random_range(1..=48usize);
+                let k = rng.random_range(1..=most);
                 let slot = SIZE / k;
                 let mut copies = Vec::with_capacity(k);
                 for j in 0..k {
-                    let max = if rng.random_bool(0.3) { 64 } else { slot / 2 };
+                    // Doorbell batches stay within its 64 KiB.
+                    let max = if most <= 5 {
+                        12 << 10
+                    } else if rng.random_bool(0.3) {
+                        64
+                    } else {
+                        slot / 2
+                    };
                     let len = rng.random_range(1..=max.min(slot / 2));
                     let dst_off = j * slot + rng.random_range(0..slot - len);
                     let src_off = rng.random_range(0..SIZE - len);
@@ -476,15 +492,15 @@ pub fn selftest(devices: (u32, u32), rounds: usize, seed: u64) -> Result<Selftes
                 report.copies += copies.len();
                 let (tx, rx) = mpsc::channel();
                 let hints = (mem[from].device.ordinal, mem[to].device.ordinal);
-                lane.submit(
-                    path,
-                    &copies,
-                    hints,
-                    Box::new(move |r| {
-                        let _ = tx.send(r);
-                    }),
-                    Vec::new(),
-                )?;
+                let done: super::lane::Done = Box::new(move |r| {
+                    let _ = tx.send(r);
+                });
+                if here {
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    lane.run_here(path, &copies, hints, done, Vec::new(), deadline)?;
+                } else {
+                    lane.submit(path, &copies, hints, done, Vec::new())?;
+                }
                 rx.recv().map_err(|_| Error::ShuttingDown)??;
                 for (i, (m, h)) in mem.iter().zip(host.iter()).enumerate() {
                     let mut back = vec![0u8; SIZE];
@@ -493,8 +509,8 @@ pub fn selftest(devices: (u32, u32), rounds: usize, seed: u64) -> Result<Selftes
                         return Err(Error::Cuda {
                             call: "gpu selftest",
                             code: format!(
-                                "round {round}, path {path}, copy {from}→{to}: buffer {i} differs \
-                                 from its host mirror at byte {at}"
+                                "round {round}, path {path_name}, copy {from}→{to}: buffer {i} \
+                                 differs from its host mirror at byte {at}"
                             ),
                         });
                     }

@@ -6,13 +6,14 @@
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::cuda::driver::{self, Imported};
-use crate::cuda::lane::{DeviceCopy, Lane};
+use crate::cuda::lane::{DeviceCopy, Done, Lane};
 use crate::cuda::{CudaExport, CudaPath};
 use crate::error::{Error, Result, Side};
 use crate::op::Opcode;
@@ -42,12 +43,15 @@ pub(crate) struct CudaIpcLink {
     peer: String,
     path: CudaPath,
     spin: bool,
-    remotes: Mutex<HashMap<RegionId, Remote>>,
+    /// Replaced whole when the peer's descriptor changes; a batch plans on a snapshot.
+    remotes: Mutex<Arc<HashMap<RegionId, Remote>>>,
     /// Mappings by (peer region, local device they were opened on).
     imports: Mutex<HashMap<(RegionId, u32), Arc<Imported>>>,
     lanes: Mutex<HashMap<u32, Arc<Lane>>>,
     moved: Arc<AtomicU64>,
     push_by_peer: bool,
+    /// Batches in flight by direction (`Opcode as usize`), for `executor`.
+    in_flight: Arc<[AtomicUsize; 2]>,
     /// (device that runs copies, device whose memory it reads) pairs with peer access enabled,
     /// or refused (false).
     peered: Mutex<HashMap<(u32, u32), bool>>,
@@ -82,11 +86,12 @@ impl CudaIpcLink {
             peer: remote.name.clone(),
             path,
             spin,
-            remotes: Mutex::new(remotes_of(remote)),
+            remotes: Mutex::new(Arc::new(remotes_of(remote))),
             imports: Mutex::default(),
             lanes: Mutex::default(),
             moved: Arc::default(),
             push_by_peer,
+            in_flight: Arc::default(),
             peered: Mutex::default(),
         })
     }
@@ -215,10 +220,14 @@ impl CudaIpcLink {
         })
     }
 
-    /// The device whose SMs copy the batch. A push is run by the peer's device when this process
-    /// can use it (it then pulls from our memory): each GPU pulls, so pushes and pulls in flight
-    /// together use both directions of the link and the SMs of both GPUs. Anything unusual
-    /// (several peer devices, no peer access) keeps the copy on the local device.
+    /// The device whose SMs copy the batch. Over NVLink a pull reaches 1–2% more than a push
+    /// when one direction is busy, but two pulls in opposite directions stall each other (read
+    /// requests share each direction with the other's data: 1.80× one direction on 2 × H200)
+    /// while two pushes do not (1.97×). So each batch is pulled by its destination GPU, unless
+    /// batches of the other direction are in flight on this link: then it is pushed by its
+    /// source GPU. The peer's GPU runs a batch only when this process can use it
+    /// (`cuda_push_by_peer`); anything unusual (several peer devices, no peer access) keeps the
+    /// copy on the local device.
     fn executor(
         &self,
         pieces: &[Piece],
@@ -226,7 +235,12 @@ impl CudaIpcLink {
         local: u32,
         remotes: &HashMap<RegionId, Remote>,
     ) -> u32 {
-        if opcode != Opcode::Write || !self.push_by_peer {
+        let both_ways = self.in_flight[other(opcode) as usize].load(Ordering::Acquire) > 0;
+        let by_peer = match opcode {
+            Opcode::Read => both_ways,
+            Opcode::Write => !both_ways,
+        };
+        if !by_peer || !self.push_by_peer {
             return local;
         }
         let Some(peer) = remotes.get(&pieces[0].remote.region).map(|r| r.device) else {
@@ -249,7 +263,9 @@ impl CudaIpcLink {
         if ok { peer } else { local }
     }
 
-    fn run(&self, pieces: &[Piece], job: &Arc<Job>) -> Result<()> {
+    /// Plans the batch and hands it to the executing device's lane; `deadline` set: the caller
+    /// blocks on it next (`Lane::run_here`).
+    fn run(&self, pieces: &[Piece], job: &Arc<Job>, deadline: Option<Instant>) -> Result<()> {
         // Peer::submit has checked that every local region is on the first one's device.
         let Planned {
             local,
@@ -261,19 +277,35 @@ impl CudaIpcLink {
         let lane = self.lane(local)?;
         let done_job = job.clone();
         let moved = self.moved.clone();
-        lane.submit(
-            self.path,
-            &copies,
-            hints,
-            Box::new(move |r| match r {
+        let in_flight = self.in_flight.clone();
+        let direction = job.opcode as usize;
+        in_flight[direction].fetch_add(1, Ordering::AcqRel);
+        let done: Done = Box::new(move |r| {
+            in_flight[direction].fetch_sub(1, Ordering::AcqRel);
+            match r {
                 Ok(()) => {
                     moved.fetch_add(bytes, Ordering::Relaxed);
                     done_job.piece_done(bytes)
                 }
                 Err(e) => done_job.piece_failed(e),
-            }),
-            keep,
-        )
+            }
+        });
+        // A lane that refuses the batch drops `done` unrun: count the batch out here then.
+        let r = match deadline {
+            Some(deadline) => lane.run_here(self.path, &copies, hints, done, keep, deadline),
+            None => lane.submit(self.path, &copies, hints, done, keep),
+        };
+        if r.is_err() {
+            self.in_flight[direction].fetch_sub(1, Ordering::AcqRel);
+        }
+        r
+    }
+}
+
+fn other(opcode: Opcode) -> Opcode {
+    match opcode {
+        Opcode::Read => Opcode::Write,
+        Opcode::Write => Opcode::Read,
     }
 }
 
@@ -284,7 +316,14 @@ impl Transport for CudaIpcLink {
 
     fn submit(&self, pieces: Vec<Piece>, job: Arc<Job>) {
         job.expect_pieces(1);
-        if let Err(e) = self.run(&pieces, &job) {
+        if let Err(e) = self.run(&pieces, &job, None) {
+            job.piece_failed(e);
+        }
+    }
+
+    fn run_here(&self, pieces: Vec<Piece>, job: Arc<Job>, deadline: Instant) {
+        job.expect_pieces(1);
+        if let Err(e) = self.run(&pieces, &job, Some(deadline)) {
             job.piece_failed(e);
         }
     }
@@ -309,7 +348,7 @@ impl Transport for CudaIpcLink {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|(id, _), _| remotes.get(id).is_some_and(|r| now.get(id) == Some(r)));
-        *remotes = now;
+        *remotes = Arc::new(now);
         tracing::debug!(peer = %self.peer, regions = remotes.len(), "cuda-ipc regions updated");
     }
 }
