@@ -2,7 +2,7 @@
 # GPU correctness and benchmark job for the 2-GPU machine. Needs no Rust toolchain: give it a
 # prebuilt release binary (cargo build --release --bin kvfabric; the `cuda` feature is default).
 #
-#   NCCL_NVLS_ENABLE=0 bash scripts/gpu-bench.sh ./kvfabric [quick|sm|tcp]
+#   NCCL_NVLS_ENABLE=0 bash scripts/gpu-bench.sh ./kvfabric [quick|sm|ipc|peers|tcp]
 #
 # 1. correctness: `kvfabric gpu-selftest` (random sizes, unaligned offsets, both directions,
 #    sm and ce), the engine's GPU tests when their binary travels along (engine-cuda-tests), and
@@ -12,6 +12,8 @@
 # 3. GPU memory over tcp (staged through pinned host buffers) next to host memory over tcp, same
 #    shapes, one after the other: cuda:0 → host and host → host (and cuda:0 ↔ cuda:1), 64 KiB …
 #    1 MiB blocks, read and write (`tcp` mode runs only these after the correctness steps);
+#    `ipc` runs the cuda-ipc sweep and latency rows only, `peers` only step 4 (each fits one
+#    10-minute device call);
 # 4. the peers of shared/tools/gpu_baselines.py in the same job (PyTorch, NCCL);
 # 5. a short table, last, with gpu-tcp / host-tcp ratios. JSON lines go to $OUT
 #    (kvfabric.jsonl, baselines.jsonl). TESTS_BIN names the engine's GPU test binary if it is
@@ -92,7 +94,7 @@ tcp_rows() {
   done
 }
 
-if [[ "$mode" == tcp ]]; then
+if [[ "$mode" == tcp || "$mode" == peers ]]; then
   sizes=()
   paths=()
 elif [[ "$mode" == quick ]]; then
@@ -118,14 +120,16 @@ for path in "${paths[@]}"; do
       --concurrency 24 --bidirectional --no-latency
   done
 done
-if [[ "$mode" != tcp ]]; then
-  bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read
-  bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op read --cuda-spin
+if [[ "$mode" != tcp && "$mode" != peers ]]; then
+  for op in read write; do
+    bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op "$op"
+    bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op "$op" --cuda-spin
+  done
 fi
-[[ "$mode" == quick ]] || tcp_rows
+[[ "$mode" == quick || "$mode" == ipc || "$mode" == peers ]] || tcp_rows
 
 step "peers (gpu_baselines.py)"
-if [[ "$ngpu" -ge 2 && "$mode" != tcp ]]; then
+if [[ "$ngpu" -ge 2 && "$mode" != tcp && "$mode" != ipc ]]; then
   args=(--skip-nccl)
   [[ "$mode" == quick ]] && args=(--sizes 65536 --skip-nccl --iters 4)
   timeout 150 python3 "$here/gpu_baselines.py" "${args[@]}" >"$OUT/baselines.jsonl" 2>>"$log" ||
