@@ -68,7 +68,27 @@ pub fn validate(ops: &[BlockOp], opcode: Opcode) -> Result<()> {
 /// Fails on the first two of `n` destination ranges `(region, offset, len)` that overlap. Shared
 /// by the initiator (its batch) and the target (each manifest it is sent).
 pub(crate) fn check_disjoint(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u64)) -> Result<()> {
-    if n == 0 || disjoint_uniform_blocks(n, &dest) {
+    /// Up to this many ops every pair is compared: a latency-bound batch of one op must not pay
+    /// for a bitmap as large as its offset.
+    const PAIRWISE: usize = 16;
+    if n <= PAIRWISE {
+        for b in 1..n {
+            let (rb, ob, lb) = dest(b);
+            for a in 0..b {
+                let (ra, oa, la) = dest(a);
+                if ra == rb && oa < ob.saturating_add(lb) && ob < oa.saturating_add(la) {
+                    return Err(Error::OverlappingDestination {
+                        first: a,
+                        second: b,
+                        region: rb,
+                        offset: oa.max(ob),
+                    });
+                }
+            }
+        }
+        return Ok(());
+    }
+    if disjoint_uniform_blocks(n, &dest) {
         return Ok(());
     }
     // Sorting plain (region, offset, index) tuples, not indices through a key closure: a batch
@@ -223,6 +243,32 @@ mod tests {
         .unwrap();
         // Overlapping sources are fine (one block sent twice).
         validate(&[op(0, 0, 8), op(0, 8, 8)], Opcode::Write).unwrap();
+    }
+
+    #[test]
+    fn small_batches_are_checked_pair_by_pair() {
+        // Adjacent, far apart, other region: fine, whatever the offsets.
+        let mut ops = vec![op(0, 0, 8), op(8, 8, 8), op(1 << 40, 16, 3)];
+        ops.push(BlockOp {
+            local_region: RegionId(9),
+            ..op(4, 24, 8)
+        });
+        validate(&ops, Opcode::Read).unwrap();
+        // One byte of overlap, not block-aligned: op 1 [8, 16) and op 3 [15, 20).
+        ops[3] = op(15, 24, 5);
+        let err = validate(&ops, Opcode::Read).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OverlappingDestination {
+                    first: 1,
+                    second: 3,
+                    offset: 15,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     /// The batch's read destinations, as `check_disjoint` sees them.
