@@ -59,10 +59,13 @@ if [[ -x "$tests_bin" ]]; then
   grep -E "^test result|skipped" "$log" | tail -3
 fi
 
+# POOL (default 12GiB) sizes both pools; it goes into each JSON row as "pool".
 bench() {
-  step "bench $*"
+  local pool="${POOL:-12GiB}"
+  step "bench $* (pool $pool)"
   if ! timeout 90 "$bin" bench --json --location cuda:0 --peer-location "cuda:$peer" \
-      --pool-bytes 12GiB --duration 2 "$@" >>"$rows" 2>>"$log"; then
+      --pool-bytes "$pool" --duration 2 "$@" 2>>"$log" |
+      sed "s/^{/{\"pool\":\"$pool\",/" >>"$rows"; then
     echo "BENCH FAILED: $*" | tee -a "$log"
     failed=1
   fi
@@ -121,9 +124,13 @@ for path in "${paths[@]}"; do
   done
 done
 if [[ "$mode" != tcp && "$mode" != peers ]]; then
-  for op in read write; do
-    bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op "$op"
-    bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op "$op" --cuda-spin
+  # One 4 KiB op at random places of a 12 GiB pool (each op also pays cold GPU address
+  # translations) and of a 1 GiB one; the ceiling copies at random places of same-sized pools.
+  for pool in 12GiB 1GiB; do
+    for op in read write; do
+      POOL=$pool bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op "$op"
+      POOL=$pool bench --cuda-path sm --block-size 4096 --blocks-per-batch 1 --concurrency 1 --op "$op" --cuda-spin
+    done
   done
 fi
 [[ "$mode" == quick || "$mode" == ipc || "$mode" == peers ]] || tcp_rows
@@ -151,10 +158,10 @@ def load(p):
 rows, peers = load(sys.argv[1]), load(sys.argv[2])
 def size(n):
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
-print(f"{'transport':<14}{'op':<6}{'block':>8}{'GB/s':>9}{'p50 us':>9}  {'ceiling':<29}{'ratio':>7}  verified")
+print(f"{'transport':<14}{'op':<6}{'block':>8}{'pool':>7}{'GB/s':>9}{'p50 us':>9}  {'ceiling':<29}{'ratio':>7}  verified")
 for r in rows:
     ceil = f"{r['ceiling_p50_us']:.1f} us" if r.get("ceiling_p50_us") else f"{r['ceiling_gbps']:.1f} GB/s"
-    print(f"{r.get('pair', r['transport']):<14}{r['op']:<6}{size(r['block_size']):>8}{r['gbps']:>9.2f}{r['p50_us']:>9.1f}  "
+    print(f"{r.get('pair', r['transport']):<14}{r['op']:<6}{size(r['block_size']):>8}{r.get('pool', ''):>7}{r['gbps']:>9.2f}{r['p50_us']:>9.1f}  "
           f"{r['ceiling_name'][:18] + ' ' + ceil:<29}{r['ratio'] * 100:>6.0f}%  {'yes' if r['verified'] else 'NO'}")
 tcp = {(r["pair"], r["op"], r["block_size"]): r["gbps"] for r in rows if "pair" in r}
 shapes = sorted({(op, bs) for (_, op, bs) in tcp}, key=lambda k: (k[0], k[1]))

@@ -510,7 +510,8 @@ enum CeilingKit {
         dst: u32,
         src: u32,
         bytes: u64,
-        latency: Option<u64>,
+        /// Latency rows: (block size, pool size).
+        latency: Option<(u64, u64)>,
     },
 }
 
@@ -545,7 +546,9 @@ impl CeilingKit {
                     dst,
                     src,
                     bytes: plan.block_size * plan.per_batch as u64,
-                    latency: plan.is_latency().then_some(plan.block_size),
+                    latency: plan
+                        .is_latency()
+                        .then_some((plan.block_size, plan.pool_bytes)),
                 }
             }
             TransportKind::Shm => {
@@ -611,9 +614,10 @@ impl CeilingKit {
                 let (dst, src, bytes, latency) = (*dst, *src, *bytes, *latency);
                 tokio::task::spawn_blocking(move || -> Result<Ceiling> {
                     Ok(match latency {
-                        Some(size) => {
-                            let us =
-                                kvfabric_engine::cuda::peer_copy_latency_us(dst, src, size, 2000)?;
+                        Some((size, pool)) => {
+                            let us = kvfabric_engine::cuda::peer_copy_latency_us(
+                                dst, src, size, pool, 2000,
+                            )?;
                             Ceiling {
                                 name: "cuMemcpyPeerAsync+sync".into(),
                                 gbps: size as f64 / us / 1e3,

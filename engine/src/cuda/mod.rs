@@ -134,7 +134,13 @@ mod stub {
     pub fn peer_copy_gbps(_dst: u32, _src: u32, _bytes: u64, _iters: usize) -> Result<f64> {
         off()
     }
-    pub fn peer_copy_latency_us(_dst: u32, _src: u32, _bytes: u64, _iters: usize) -> Result<f64> {
+    pub fn peer_copy_latency_us(
+        _dst: u32,
+        _src: u32,
+        _bytes: u64,
+        _pool: u64,
+        _iters: usize,
+    ) -> Result<f64> {
         off()
     }
     pub fn selftest(_devices: (u32, u32), _rounds: usize, _seed: u64) -> Result<SelftestReport> {

@@ -360,14 +360,20 @@ fn peer_pair(dst: u32, src: u32, bytes: u64) -> Result<PeerPair> {
 
 impl PeerPair {
     fn copy(&self) -> Result<()> {
-        // SAFETY: both buffers hold `src.len` bytes and live until the stream is synchronized.
+        self.copy_part(0, 0, self.src.len)
+    }
+
+    fn copy_part(&self, from: u64, to: u64, len: u64) -> Result<()> {
+        debug_assert!(from + len <= self.src.len && to + len <= self.dst.len);
+        // SAFETY: both ranges lie inside the buffers (callers pick them so), which live until
+        // the stream is synchronized.
         check("cuMemcpyPeerAsync", unsafe {
             sys::cuMemcpyPeerAsync(
-                self.dst.ptr,
+                self.dst.ptr + to,
                 self.dst.device.ctx,
-                self.src.ptr,
+                self.src.ptr + from,
                 self.src.device.ctx,
-                self.src.len as usize,
+                len as usize,
                 self.stream.0,
             )
         })
@@ -404,17 +410,33 @@ pub fn peer_copy_gbps(dst: u32, src: u32, bytes: u64, iters: usize) -> Result<f6
 }
 
 /// The ceiling of a latency row: one `bytes` cuMemcpyPeerAsync and a stream synchronize, from
-/// the host's point of view; the median of `iters`, in µs.
-pub fn peer_copy_latency_us(dst: u32, src: u32, bytes: u64, iters: usize) -> Result<f64> {
-    let pair = peer_pair(dst, src, bytes)?;
-    pair.copy()?;
-    pair.sync()?;
+/// the host's point of view, between random `bytes`-aligned places of two `pool`-byte buffers
+/// (the row's own pattern: in a pool of many GiB each op also pays cold address translations);
+/// the median of `iters`, in µs.
+pub fn peer_copy_latency_us(
+    dst: u32,
+    src: u32,
+    bytes: u64,
+    pool: u64,
+    iters: usize,
+) -> Result<f64> {
+    let pool = pool.max(bytes);
+    let pair = peer_pair(dst, src, pool)?;
+    let places = pool / bytes;
+    let mut rng = SmallRng::seed_from_u64(0x1a7e);
     let mut lat: Vec<Duration> = Vec::with_capacity(iters);
-    for _ in 0..iters.max(1) {
+    for i in 0..=iters.max(1) {
+        let (from, to) = (
+            rng.random_range(0..places) * bytes,
+            rng.random_range(0..places) * bytes,
+        );
         let t = Instant::now();
-        pair.copy()?;
+        pair.copy_part(from, to, bytes)?;
         pair.sync()?;
-        lat.push(t.elapsed());
+        // The first copy warms the stream up.
+        if i > 0 {
+            lat.push(t.elapsed());
+        }
     }
     lat.sort();
     Ok(lat[lat.len() / 2].as_secs_f64() * 1e6)
