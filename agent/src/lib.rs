@@ -1,5 +1,6 @@
 //! The kvfabric node agent and CLI.
 
+pub mod allocator;
 pub mod bench;
 pub mod bytesize;
 pub mod cli;

@@ -6,6 +6,7 @@ use kvfabric_agent::telemetry::{self, TraceConfig};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    kvfabric_agent::allocator::keep_freed_memory();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
