@@ -30,26 +30,27 @@ struct KvfInline {
     KvfOp ops[KVF_INLINE_OPS];
 };
 
-// One warp copies one op. Streaming (.cs) accesses: every byte is touched once, so it should not
-// displace the L2. Each lane keeps KVF_UNROLL 16-byte loads in flight.
-__device__ __forceinline__ void kvf_copy_one(const KvfOp& op, unsigned lane)
+// `width` threads copy one op, this one starting at `first`. Streaming (.cs) accesses: every
+// byte is touched once, so it should not displace the L2. Each thread keeps KVF_UNROLL 16-byte
+// loads in flight.
+__device__ __forceinline__ void kvf_copy_op(const KvfOp& op, unsigned first, unsigned width)
 {
     if (((op.src | op.dst | op.len) & 15ULL) == 0) {
         const uint4* __restrict__ s = reinterpret_cast<const uint4*>(op.src);
         uint4* __restrict__ d = reinterpret_cast<uint4*>(op.dst);
         const unsigned long long n = op.len >> 4;
-        for (unsigned long long base = lane; base < n; base += 32 * KVF_UNROLL) {
+        for (unsigned long long base = first; base < n; base += (unsigned long long)width * KVF_UNROLL) {
             uint4 r[KVF_UNROLL];
 #pragma unroll
             for (int k = 0; k < KVF_UNROLL; ++k) {
-                const unsigned long long j = base + 32ULL * k;
+                const unsigned long long j = base + (unsigned long long)width * k;
                 if (j < n) {
                     r[k] = __ldcs(s + j);
                 }
             }
 #pragma unroll
             for (int k = 0; k < KVF_UNROLL; ++k) {
-                const unsigned long long j = base + 32ULL * k;
+                const unsigned long long j = base + (unsigned long long)width * k;
                 if (j < n) {
                     __stcs(d + j, r[k]);
                 }
@@ -58,7 +59,7 @@ __device__ __forceinline__ void kvf_copy_one(const KvfOp& op, unsigned lane)
     } else {
         const unsigned char* s = reinterpret_cast<const unsigned char*>(op.src);
         unsigned char* d = reinterpret_cast<unsigned char*>(op.dst);
-        for (unsigned long long j = lane; j < op.len; j += 32) {
+        for (unsigned long long j = first; j < op.len; j += width) {
             d[j] = s[j];
         }
     }
@@ -79,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(512) kvf_copy(KvfOpList* list)
         if (i >= count) {
             return;
         }
-        kvf_copy_one(list->ops[i], lane);
+        kvf_copy_op(list->ops[i], lane, 32);
     }
 }
 
@@ -112,46 +113,12 @@ __device__ __forceinline__ unsigned long long kvf_now_ns()
     return t;
 }
 
-// All threads of the CTA copy one op; a 4 KiB op is one 16-byte access per thread.
-__device__ __forceinline__ void kvf_copy_cta(const KvfOp& op)
-{
-    const unsigned t = threadIdx.x;
-    if (((op.src | op.dst | op.len) & 15ULL) == 0) {
-        const uint4* __restrict__ s = reinterpret_cast<const uint4*>(op.src);
-        uint4* __restrict__ d = reinterpret_cast<uint4*>(op.dst);
-        const unsigned long long n = op.len >> 4;
-        for (unsigned long long base = t; base < n; base += blockDim.x * KVF_UNROLL) {
-            uint4 r[KVF_UNROLL];
-#pragma unroll
-            for (int k = 0; k < KVF_UNROLL; ++k) {
-                const unsigned long long j = base + (unsigned long long)blockDim.x * k;
-                if (j < n) {
-                    r[k] = __ldcs(s + j);
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < KVF_UNROLL; ++k) {
-                const unsigned long long j = base + (unsigned long long)blockDim.x * k;
-                if (j < n) {
-                    __stcs(d + j, r[k]);
-                }
-            }
-        }
-    } else {
-        const unsigned char* s = reinterpret_cast<const unsigned char*>(op.src);
-        unsigned char* d = reinterpret_cast<unsigned char*>(op.dst);
-        for (unsigned long long j = t; j < op.len; j += blockDim.x) {
-            d[j] = s[j];
-        }
-    }
-}
-
 // Small batches: CTA b copies op b with all its threads, straight from the parameters (one
 // 16-byte access per thread covers a 4 KiB op in one round trip).
 extern "C" __global__ void __launch_bounds__(512) kvf_copy_inline(const KvfInline p)
 {
     if (blockIdx.x < p.count) {
-        kvf_copy_cta(p.ops[blockIdx.x]);
+        kvf_copy_op(p.ops[blockIdx.x], threadIdx.x, blockDim.x);
     }
 }
 
@@ -240,7 +207,7 @@ kvf_doorbell(KvfRing* ring, unsigned long long idle_ns, unsigned long long gener
             op.src = (unsigned long long)w[0] | ((unsigned long long)w[1] << 32);
             op.dst = (unsigned long long)w[2] | ((unsigned long long)w[3] << 32);
             op.len = (unsigned long long)w[4] | ((unsigned long long)w[5] << 32);
-            kvf_copy_cta(op);
+            kvf_copy_op(op, t, blockDim.x);
         }
         // Every thread's copies are visible system-wide before the host hears of them.
         __threadfence_system();
