@@ -512,18 +512,27 @@ pub fn selftest(devices: (u32, u32), rounds: usize, seed: u64) -> Result<Selftes
                     report.bytes += len as u64;
                 }
                 report.copies += copies.len();
-                let (tx, rx) = mpsc::channel();
                 let hints = (mem[from].device.ordinal, mem[to].device.ordinal);
-                let done: super::lane::Done = Box::new(move |r| {
-                    let _ = tx.send(r);
-                });
-                if here {
-                    let deadline = Instant::now() + Duration::from_secs(10);
-                    lane.run_here(path, &copies, hints, done, Vec::new(), deadline)?;
+                // Doorbell batches go one copy each, back to back: the kernel serves them while
+                // it lingers (and is relaunched for the next round, after the checks' pause).
+                let batches: Vec<&[DeviceCopy]> = if most <= 5 {
+                    copies.chunks(1).collect()
                 } else {
-                    lane.submit(path, &copies, hints, done, Vec::new())?;
+                    vec![&copies[..]]
+                };
+                for batch in batches {
+                    let (tx, rx) = mpsc::channel();
+                    let done: super::lane::Done = Box::new(move |r| {
+                        let _ = tx.send(r);
+                    });
+                    if here {
+                        let deadline = Instant::now() + Duration::from_secs(10);
+                        lane.run_here(path, batch, hints, done, Vec::new(), deadline)?;
+                    } else {
+                        lane.submit(path, batch, hints, done, Vec::new())?;
+                    }
+                    rx.recv().map_err(|_| Error::ShuttingDown)??;
                 }
-                rx.recv().map_err(|_| Error::ShuttingDown)??;
                 for (i, (m, h)) in mem.iter().zip(host.iter()).enumerate() {
                     let mut back = vec![0u8; SIZE];
                     driver::copy_dtoh(m.device, &mut back, m.ptr)?;
