@@ -790,3 +790,155 @@ fn staging_bytes_is_validated() {
         .unwrap();
     }
 }
+
+/// Latency mode across processes: a spinning engine runs small batches (most through the lane's
+/// doorbell kernel, back to back and after idle pauses that let the kernel exit) against a GPU
+/// region another process exports; both memories end exactly as host mirrors say.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_mode_small_batches_over_cuda_ipc_are_exact() {
+    const NAME: &str = "latency_mode_small_batches_over_cuda_ipc_are_exact";
+    const LEN: usize = 4 << 20;
+    const SEED: u64 = 0xC0FFEE;
+    if std::env::var_os(IPC_CHILD).is_some() {
+        let device = cuda::device_count().unwrap() - 1;
+        let engine = Engine::new(common::config("lat-child")).unwrap();
+        let r = engine.alloc_cuda(device, LEN as u64).unwrap();
+        // Word w of the region is pattern_word(SEED, w, 0).
+        cuda::fill(&r, 8, SEED).unwrap();
+        let export = r.cuda_export().expect("cuMemAlloc memory exports");
+        println!(
+            "KVF-IPC {} {device}",
+            serde_json::to_string(&export).unwrap()
+        );
+        use std::io::Write as _;
+        std::io::stdout().flush().unwrap();
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+    let Some(_) = gpus(NAME) else {
+        return;
+    };
+    use std::io::BufRead as _;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+        .env(IPC_CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let line = out
+        .lines()
+        .map_while(|l| l.ok())
+        .find_map(|l| l.find("KVF-IPC ").map(|at| l[at..].to_string()))
+        .expect("the child exported nothing");
+    // Killed however the test ends.
+    struct Child(std::process::Child);
+    impl Drop for Child {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Child(child);
+    let mut parts = line.split(' ').skip(1);
+    let export: CudaExport = serde_json::from_str(parts.next().unwrap()).unwrap();
+    let device: u32 = parts.next().unwrap().parse().unwrap();
+
+    let engine = Engine::new(EngineConfig {
+        cuda_spin: true,
+        spin_wait: Duration::from_micros(200),
+        ..common::config("lat-parent")
+    })
+    .unwrap();
+    let local = engine.alloc_cuda(0, LEN as u64).unwrap();
+    let mut d = engine.descriptor();
+    d.name = "lat-child".into();
+    d.regions = vec![RegionDesc {
+        id: RegionId(7),
+        len: LEN as u64,
+        location: Location::Cuda { device },
+        key: AccessKey(5),
+        shareable: false,
+        ipc: Some(export),
+        rdma: Vec::new(),
+    }];
+    let peer = Arc::new(
+        engine
+            .connect(&d, Preference::Only(TransportKind::CudaIpc), None)
+            .await
+            .unwrap(),
+    );
+    let mut remote_mirror: Vec<u8> = (0..LEN as u64 / 8)
+        .flat_map(|w| cuda::pattern_word(SEED, w, 0).to_le_bytes())
+        .collect();
+    let mut local_mirror = vec![0u8; LEN];
+    let mut rng = SmallRng::seed_from_u64(2026);
+    for round in 0..400 {
+        if round % 50 == 49 {
+            // Longer than the doorbell's idle time: the next batch relaunches it.
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+        let opcode = if rng.random_bool(0.5) {
+            Opcode::Read
+        } else {
+            Opcode::Write
+        };
+        // Up to four ops, each in its own quarter on both sides, so destinations never overlap.
+        let n = rng.random_range(1..=4usize);
+        let quarter = LEN / 4;
+        let ops: Vec<BlockOp> = (0..n)
+            .map(|k| {
+                let len = rng.random_range(1..=16384usize);
+                BlockOp {
+                    local_region: local.id(),
+                    local_offset: (k * quarter + rng.random_range(0..quarter - len)) as u64,
+                    remote_region: RegionId(7),
+                    remote_offset: (k * quarter + rng.random_range(0..quarter - len)) as u64,
+                    len: len as u64,
+                }
+            })
+            .collect();
+        for o in &ops {
+            let (lo, ro, len) = (
+                o.local_offset as usize,
+                o.remote_offset as usize,
+                o.len as usize,
+            );
+            match opcode {
+                Opcode::Read => {
+                    local_mirror[lo..lo + len].copy_from_slice(&remote_mirror[ro..ro + len])
+                }
+                Opcode::Write => {
+                    remote_mirror[ro..ro + len].copy_from_slice(&local_mirror[lo..lo + len])
+                }
+            }
+        }
+        let peer = peer.clone();
+        tokio::task::spawn_blocking(move || peer.run(Batch::new(opcode, ops)))
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+    }
+    let mut back = vec![0u8; LEN];
+    cuda::copy_to_host(&local, 0, &mut back).unwrap();
+    assert!(
+        back == local_mirror,
+        "the local GPU region differs from its mirror"
+    );
+    // The remote region, read back whole (a launched kernel, not the doorbell).
+    let scratch = engine.alloc_cuda(0, LEN as u64).unwrap();
+    let whole = Batch::read(vec![BlockOp {
+        local_region: scratch.id(),
+        local_offset: 0,
+        remote_region: RegionId(7),
+        remote_offset: 0,
+        len: LEN as u64,
+    }]);
+    peer.submit(whole).unwrap().wait().await.unwrap();
+    cuda::copy_to_host(&scratch, 0, &mut back).unwrap();
+    assert!(
+        back == remote_mirror,
+        "the other process's GPU region differs from its mirror"
+    );
+}
