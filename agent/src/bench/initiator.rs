@@ -353,8 +353,10 @@ impl Initiator {
                 // of every destination block is well defined.
                 let mut mine: Vec<u32> = (shape.first_dest..blocks).step_by(shape.stride).collect();
                 let mut latencies = Vec::new();
-                // Destination block → the source block last written into it.
-                let mut last: Vec<u32> = vec![u32::MAX; blocks as usize];
+                // The slot's m-th destination block → the source block last written into it.
+                // Indexed by m, not by block: a slot's share of a 12 GiB pool of 4 KiB blocks
+                // then fits in cache, and recording a write costs no cache miss.
+                let mut last: Vec<u32> = vec![u32::MAX; mine.len()];
                 let mut batches = 0u64;
                 let bs = plan.block_size;
                 let mut ops = Vec::with_capacity(plan.per_batch);
@@ -370,7 +372,7 @@ impl Initiator {
                         mine.swap(i, j);
                         let d = mine[i];
                         let s = rng.random_range(0..shape.sources);
-                        last[d as usize] = s;
+                        last[shape.index_of(d)] = s;
                         let (lo, ro) = match shape.op {
                             Opcode::Read => (d, s),
                             Opcode::Write => (s, d),
@@ -404,7 +406,7 @@ impl Initiator {
                     .iter()
                     .enumerate()
                     .filter(|(_, s)| **s != u32::MAX)
-                    .map(|(d, s)| (d as u32, *s))
+                    .map(|(m, s)| (shape.block_at(m), *s))
                     .collect();
                 let began = began.expect("set after the warm-up batch");
                 Ok::<_, Error>((shape.op, batches, latencies, written, began, ended))
@@ -649,6 +651,16 @@ struct SlotShape {
 }
 
 impl SlotShape {
+    /// The position of destination block `d` among the slot's.
+    fn index_of(&self, d: u32) -> usize {
+        ((d - self.first_dest) as usize) / self.stride
+    }
+
+    /// The slot's `m`-th destination block.
+    fn block_at(&self, m: usize) -> u32 {
+        self.first_dest + (m * self.stride) as u32
+    }
+
     fn of(plan: &RowPlan, k: usize, blocks: u32) -> SlotShape {
         if plan.bidirectional {
             // Even slots pull, odd slots push; each direction writes only the upper half of its
@@ -671,6 +683,55 @@ impl SlotShape {
                 first_dest: k as u32,
                 stride: plan.concurrency,
                 sources: blocks,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(concurrency: usize, bidirectional: bool) -> RowPlan {
+        RowPlan {
+            transport: TransportArg::Auto,
+            op: Opcode::Read,
+            block_size: 4096,
+            per_batch: 8,
+            concurrency,
+            pool_bytes: 1 << 20,
+            duration: 1.0,
+            checksum: false,
+            key: None,
+            location: Location::Host { numa: None },
+            peer_location: Location::Host { numa: None },
+            bidirectional,
+            cuda_path: CudaPath::Sm,
+        }
+    }
+
+    #[test]
+    fn slots_own_disjoint_destinations_that_index_densely() {
+        for (concurrency, bidirectional) in [(1, false), (3, false), (4, true), (6, true)] {
+            let plan = plan(concurrency, bidirectional);
+            let blocks = 256u32;
+            // Pulls land in the local pool, pushes in the target's: one owner map per pool.
+            let mut owner = [vec![None; blocks as usize], vec![None; blocks as usize]];
+            for k in 0..concurrency {
+                let pool = if bidirectional { k % 2 } else { 0 };
+                let shape = SlotShape::of(&plan, k, blocks);
+                let mine: Vec<u32> = (shape.first_dest..blocks).step_by(shape.stride).collect();
+                for (m, &d) in mine.iter().enumerate() {
+                    assert_eq!(
+                        shape.index_of(d),
+                        m,
+                        "{concurrency} {bidirectional} slot {k}"
+                    );
+                    assert_eq!(shape.block_at(m), d);
+                    if let Some(o) = owner[pool][d as usize].replace(k) {
+                        panic!("block {d} owned by slots {o} and {k}");
+                    }
+                }
             }
         }
     }
