@@ -4,7 +4,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use kvfabric_engine::{Location, TransportKind};
+use kvfabric_engine::{CudaPath, Location, TransportKind};
 
 use crate::bytesize;
 
@@ -83,14 +83,6 @@ pub fn parse_location(s: &str) -> Result<Location, String> {
         .and_then(|d| d.parse::<u32>().ok())
         .map(|device| Location::Cuda { device })
         .ok_or_else(|| format!("{s:?} is not a location (host or cuda:N)"))
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CudaPathArg {
-    /// One kernel launch over a device-side op list.
-    Sm,
-    /// The copy engines (cuMemcpyBatchAsync), no SMs.
-    Ce,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -186,9 +178,10 @@ pub struct BenchArgs {
     #[arg(long, default_value = "host", value_parser = parse_location)]
     pub peer_location: Location,
 
-    /// How cuda-ipc moves a batch: sm (one kernel) or ce (copy engines).
-    #[arg(long, value_enum, default_value = "sm")]
-    pub cuda_path: CudaPathArg,
+    /// How cuda-ipc moves a batch: sm (one kernel), ce (copy engines, no SMs), or auto (ce
+    /// for a batch between two GPUs whose copies average 1 MiB or more, else sm).
+    #[arg(long, default_value = "auto")]
+    pub cuda_path: CudaPath,
 
     /// cuda-ipc completion threads poll instead of sleeping (lower latency, one busy core).
     #[arg(long)]
@@ -330,6 +323,12 @@ pub struct AgentArgs {
     /// Most block ops in one submitted batch.
     #[arg(long, env = "KVFABRIC_MAX_BATCH_OPS", default_value_t = 65_536)]
     pub max_batch_ops: usize,
+
+    /// How cuda-ipc moves a batch between GPUs of this node: sm (one kernel), ce (copy
+    /// engines, no SMs), or auto (ce for a batch between two GPUs whose copies average 1 MiB
+    /// or more, else sm).
+    #[arg(long, env = "KVFABRIC_CUDA_PATH", default_value = "auto")]
+    pub cuda_path: CudaPath,
 
     /// How long dialling another agent may take.
     #[arg(long, env = "KVFABRIC_CONNECT_TIMEOUT_MS", default_value_t = 3_000)]

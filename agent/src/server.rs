@@ -201,6 +201,7 @@ pub async fn serve(
         tcp_connections: args.tcp_connections,
         batch_timeout: Duration::from_millis(args.batch_timeout_ms),
         max_batch_ops: args.max_batch_ops,
+        cuda_path: args.cuda_path,
         // RDMA only where it is an allowed transport: otherwise no memory is pinned for it.
         rdma: RdmaConfig {
             enabled: args.transports.contains(&TransportKind::Rdma),

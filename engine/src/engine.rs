@@ -48,7 +48,8 @@ pub struct EngineConfig {
     pub shm_parallel_min: u64,
     /// Most ops one batch may carry.
     pub max_batch_ops: usize,
-    /// How cuda-ipc moves a batch: one kernel over an op list (`Sm`) or the copy engines (`Ce`).
+    /// How cuda-ipc moves a batch: one kernel over an op list (`Sm`), the copy engines (`Ce`),
+    /// or per batch by its mean copy size (`Auto`, the default).
     pub cuda_path: CudaPath,
     /// cuda-ipc completion threads poll their events instead of sleeping in cuEventSynchronize:
     /// a few µs less latency per batch for one busy core per GPU in use. Off by default.
@@ -105,7 +106,7 @@ impl Default for EngineConfig {
             shm_threads: cores.clamp(1, 8),
             shm_parallel_min: 4 << 20,
             max_batch_ops: 1 << 20,
-            cuda_path: CudaPath::Sm,
+            cuda_path: CudaPath::Auto,
             cuda_spin: false,
             spin_wait: Duration::ZERO,
             cuda_push_by_peer: true,

@@ -15,14 +15,14 @@ use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::Duration;
 
-use kvfabric_engine::{CudaPath, Engine, EngineConfig, Location, Opcode, RdmaConfig};
+use kvfabric_engine::{Engine, EngineConfig, Location, Opcode, RdmaConfig};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 pub use initiator::RowPlan;
 pub use report::Row;
 
-use crate::cli::{BenchArgs, CudaPathArg, OpArg, SelftestArgs, TransportArg};
+use crate::cli::{BenchArgs, OpArg, SelftestArgs, TransportArg};
 use crate::error::{Error, Result};
 use initiator::Initiator;
 use layout::Layout;
@@ -63,10 +63,7 @@ pub async fn run(args: BenchArgs, telemetry: &crate::telemetry::Telemetry) -> Re
     let engine = Engine::new(EngineConfig {
         name: "bench-initiator".into(),
         tcp_connections: args.connections,
-        cuda_path: match args.cuda_path {
-            CudaPathArg::Sm => CudaPath::Sm,
-            CudaPathArg::Ce => CudaPath::Ce,
-        },
+        cuda_path: args.cuda_path,
         cuda_spin: args.cuda_spin,
         staging_bytes: args.staging_bytes,
         // --cuda-spin is the lowest-latency setting: the waiting slot polls briefly too.
@@ -167,10 +164,7 @@ pub fn plans(args: &BenchArgs, layout: &Layout) -> Vec<RowPlan> {
         location: args.location,
         peer_location: args.peer_location,
         bidirectional: args.bidirectional,
-        cuda_path: match args.cuda_path {
-            CudaPathArg::Sm => CudaPath::Sm,
-            CudaPathArg::Ce => CudaPath::Ce,
-        },
+        cuda_path: args.cuda_path,
     };
     let mut plans = Vec::new();
     for &transport in &transports {

@@ -223,7 +223,8 @@ impl Lane {
         self.device.bind()?;
         let mut slot = self.slot()?;
         match path {
-            CudaPath::Sm => self.enqueue_kernel(&mut slot, copies)?,
+            // The link resolves `Auto` per batch; should one arrive here, a kernel is always right.
+            CudaPath::Sm | CudaPath::Auto => self.enqueue_kernel(&mut slot, copies)?,
             CudaPath::Ce => self.enqueue_copy_engine(&slot, copies, hints)?,
         }
         slot.event.record(&slot.stream)?;

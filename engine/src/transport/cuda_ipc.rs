@@ -274,6 +274,7 @@ impl CudaIpcLink {
             keep,
         } = self.plan(pieces, job.opcode)?;
         let bytes: u64 = copies.iter().map(|c| c.len).sum();
+        let path = self.path.for_batch(copies.len(), bytes, hints);
         let lane = self.lane(local)?;
         let done_job = job.clone();
         let moved = self.moved.clone();
@@ -292,8 +293,8 @@ impl CudaIpcLink {
         });
         // A lane that refuses the batch drops `done` unrun: count the batch out here then.
         let r = match deadline {
-            Some(deadline) => lane.run_here(self.path, &copies, hints, done, keep, deadline),
-            None => lane.submit(self.path, &copies, hints, done, keep),
+            Some(deadline) => lane.run_here(path, &copies, hints, done, keep, deadline),
+            None => lane.submit(path, &copies, hints, done, keep),
         };
         if r.is_err() {
             self.in_flight[direction].fetch_sub(1, Ordering::AcqRel);
