@@ -758,9 +758,8 @@ impl Peer {
             }
         }
         self.check_locations(&batch.ops, &locals, &remotes)?;
-        let coalesced = op::coalesce(&batch.ops);
-        let mut pieces = Vec::with_capacity(coalesced.len());
-        for c in &coalesced {
+        let mut pieces = Vec::with_capacity(batch.ops.len());
+        for c in op::coalesce(&batch.ops) {
             let o = c.op;
             let local = locals
                 .iter()
@@ -802,7 +801,7 @@ impl Peer {
             started,
             transport: self.link.kind(),
             ops: batch.ops.len(),
-            coalesced_ops: coalesced.len(),
+            coalesced_ops: pieces.len(),
             spin: self.inner.config.spin_wait,
         };
         Ok((pieces, handle))
