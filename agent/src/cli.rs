@@ -263,6 +263,12 @@ pub struct AgentArgs {
     #[arg(long, env = "KVFABRIC_ETCD_PASSWORD", hide_env_values = true)]
     pub etcd_password: Option<String>,
 
+    /// Shared secret of this fabric's agents (at least 16 printable ASCII characters): sent
+    /// to other agents' peer API and required of its callers, since that API hands out region
+    /// keys. Set it from a Secret (the operator does: `spec.peerTokenSecret`).
+    #[arg(long, env = "KVFABRIC_PEER_TOKEN", hide_env_values = true)]
+    pub peer_token: Option<String>,
+
     /// Directory with ca.crt (and tls.crt + tls.key for a client certificate).
     #[arg(long, env = "KVFABRIC_ETCD_TLS_DIR")]
     pub etcd_tls_dir: Option<PathBuf>,

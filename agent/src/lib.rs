@@ -14,6 +14,7 @@ pub mod node;
 pub mod otlp_sink;
 pub mod peer_api;
 pub mod peer_link;
+pub mod peer_token;
 pub mod registry;
 pub mod rpc;
 pub mod server;

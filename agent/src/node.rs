@@ -18,6 +18,7 @@ use tracing::{Instrument, field, info, info_span, warn};
 use crate::error::{Error, Result};
 use crate::metrics::{LinkLabels, SharedMetrics, TransportLabels};
 use crate::peer_link;
+use crate::peer_token::PeerToken;
 use crate::registry::{AgentEntry, SegmentEntry, SegmentRegion, SharedRegistry};
 use crate::telemetry;
 
@@ -42,6 +43,8 @@ pub struct NodeConfig {
     pub max_batch_ops: usize,
     /// How long dialling a peer agent may take.
     pub connect_timeout: Duration,
+    /// Presented to other agents' peer API and required of callers of ours.
+    pub peer_token: Option<PeerToken>,
 }
 
 /// Memory a worker registered: its regions in this agent's engine, under the worker's key.
@@ -596,9 +599,7 @@ impl Node {
         }
         Ok(Arc::new(peer_link::PeerExchange {
             agent: agent.clone(),
-            fabric: self.config.fabric.clone(),
-            me: self.config.name.clone(),
-            timeout: self.config.connect_timeout,
+            caller: self.caller(),
             runtime: tokio::runtime::Handle::current(),
         }))
     }
@@ -703,13 +704,16 @@ impl Node {
         if agent.name == self.config.name {
             return Ok(self.descriptor());
         }
-        peer_link::handshake(
-            agent,
-            &self.config.fabric,
-            &self.config.name,
-            self.config.connect_timeout,
-        )
-        .await
+        self.caller().handshake(agent).await
+    }
+
+    fn caller(&self) -> peer_link::Caller {
+        peer_link::Caller {
+            fabric: self.config.fabric.clone(),
+            me: self.config.name.clone(),
+            timeout: self.config.connect_timeout,
+            token: self.config.peer_token.clone(),
+        }
     }
 
     /// The link's view of the peer's regions, refreshed when it lacks some of `segment`'s (the

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use kvfabric_engine::ConnectInfo;
+use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 use tracing::{debug, warn};
 
@@ -20,7 +21,12 @@ pub struct PeerApi {
 }
 
 impl PeerApi {
-    fn check_fabric(&self, fabric: &str) -> Result<(), Status> {
+    /// The token first (a caller without it learns nothing, not even our fabric's name), then
+    /// the fabric.
+    fn admit(&self, metadata: &MetadataMap, fabric: &str) -> Result<(), Status> {
+        if let Some(token) = &self.node.config.peer_token {
+            token.admit(metadata)?;
+        }
         if fabric != self.node.config.fabric {
             return Err(Status::permission_denied(format!(
                 "fabric {:?} is not this agent's fabric {:?}",
@@ -37,8 +43,8 @@ impl PeerAgent for PeerApi {
         &self,
         request: Request<HandshakeRequest>,
     ) -> Result<Response<HandshakeResponse>, Status> {
+        self.admit(request.metadata(), &request.get_ref().fabric)?;
         let req = request.into_inner();
-        self.check_fabric(&req.fabric)?;
         debug!(peer = %req.agent, "peer handshake");
         Ok(Response::new(HandshakeResponse {
             agent: self.node.config.name.clone(),
@@ -50,8 +56,8 @@ impl PeerAgent for PeerApi {
         &self,
         request: Request<RdmaConnectRequest>,
     ) -> Result<Response<RdmaConnectResponse>, Status> {
+        self.admit(request.metadata(), &request.get_ref().fabric)?;
         let req = request.into_inner();
-        self.check_fabric(&req.fabric)?;
         let offer = ConnectInfo::from_json(&req.agent, &req.connect_info_json)
             .map_err(|e| Status::from(Error::from(e)))?;
         debug!(peer = %req.agent, session = offer.session, qps = offer.qps.len(), "rdma connect");

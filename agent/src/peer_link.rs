@@ -5,9 +5,11 @@
 use std::time::Duration;
 
 use kvfabric_engine::{ConnectInfo, RdmaExchange, SegmentDescriptor, TransportKind};
+use tonic::Request;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{Error, Result};
+use crate::peer_token::PeerToken;
 use crate::registry::AgentEntry;
 use crate::rpc::pb::peer_agent_client::PeerAgentClient;
 use crate::rpc::pb::{HandshakeRequest, RdmaConnectRequest};
@@ -32,53 +34,66 @@ async fn dial(agent: &AgentEntry, timeout: Duration) -> Result<PeerAgentClient<C
     Ok(PeerAgentClient::new(channel))
 }
 
-pub async fn handshake(
-    agent: &AgentEntry,
-    fabric: &str,
-    me: &str,
-    timeout: Duration,
-) -> Result<SegmentDescriptor> {
-    let fail = |reason: String| failure(agent, reason);
-    let reply = dial(agent, timeout)
-        .await?
-        .handshake(HandshakeRequest {
-            fabric: fabric.into(),
-            agent: me.into(),
-        })
-        .await
-        .map_err(|s| fail(format!("handshake: {}", s.message())))?
-        .into_inner();
-    if reply.agent != agent.name {
-        return Err(fail(format!(
-            "answered as agent {:?}: the registry entry is stale",
-            reply.agent
-        )));
-    }
-    SegmentDescriptor::from_json(&reply.descriptor).map_err(|e| fail(e.to_string()))
+/// How this agent calls other agents' peer API: as whom, for which fabric, with which token.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub fabric: String,
+    pub me: String,
+    pub timeout: Duration,
+    pub token: Option<PeerToken>,
 }
 
-/// Sends an rdma connection offer to `agent` and returns its answer.
-pub async fn rdma_connect(
-    agent: &AgentEntry,
-    fabric: &str,
-    me: &str,
-    timeout: Duration,
-    offer: &ConnectInfo,
-) -> Result<ConnectInfo> {
-    let reply = dial(agent, timeout)
-        .await?
-        .rdma_connect(RdmaConnectRequest {
-            fabric: fabric.into(),
-            agent: me.into(),
-            connect_info_json: offer.to_json(),
-        })
-        .await
-        .map_err(|s| failure(agent, format!("rdma connect: {}", s.message())))?
-        .into_inner();
-    Ok(ConnectInfo::from_json(
-        &agent.name,
-        &reply.connect_info_json,
-    )?)
+impl Caller {
+    fn request<T>(&self, message: T) -> Request<T> {
+        let mut request = Request::new(message);
+        if let Some(token) = &self.token {
+            token.attach(&mut request);
+        }
+        request
+    }
+
+    /// The data-plane descriptor of `agent`, region keys included.
+    pub async fn handshake(&self, agent: &AgentEntry) -> Result<SegmentDescriptor> {
+        let fail = |reason: String| failure(agent, reason);
+        let reply = dial(agent, self.timeout)
+            .await?
+            .handshake(self.request(HandshakeRequest {
+                fabric: self.fabric.clone(),
+                agent: self.me.clone(),
+            }))
+            .await
+            .map_err(|s| fail(format!("handshake: {}", s.message())))?
+            .into_inner();
+        if reply.agent != agent.name {
+            return Err(fail(format!(
+                "answered as agent {:?}: the registry entry is stale",
+                reply.agent
+            )));
+        }
+        SegmentDescriptor::from_json(&reply.descriptor).map_err(|e| fail(e.to_string()))
+    }
+
+    /// Sends an rdma connection offer to `agent` and returns its answer.
+    pub async fn rdma_connect(
+        &self,
+        agent: &AgentEntry,
+        offer: &ConnectInfo,
+    ) -> Result<ConnectInfo> {
+        let reply = dial(agent, self.timeout)
+            .await?
+            .rdma_connect(self.request(RdmaConnectRequest {
+                fabric: self.fabric.clone(),
+                agent: self.me.clone(),
+                connect_info_json: offer.to_json(),
+            }))
+            .await
+            .map_err(|s| failure(agent, format!("rdma connect: {}", s.message())))?
+            .into_inner();
+        Ok(ConnectInfo::from_json(
+            &agent.name,
+            &reply.connect_info_json,
+        )?)
+    }
 }
 
 /// The engine's [`RdmaExchange`] over the peer API: the offer goes to the peer agent's
@@ -86,22 +101,16 @@ pub async fn rdma_connect(
 #[derive(Debug)]
 pub struct PeerExchange {
     pub agent: AgentEntry,
-    pub fabric: String,
-    pub me: String,
-    pub timeout: Duration,
+    pub caller: Caller,
     /// The agent's runtime: the engine calls from its own threads.
     pub runtime: tokio::runtime::Handle,
 }
 
 impl RdmaExchange for PeerExchange {
     fn exchange(&self, offer: &ConnectInfo) -> kvfabric_engine::Result<ConnectInfo> {
-        let answer = self.runtime.block_on(rdma_connect(
-            &self.agent,
-            &self.fabric,
-            &self.me,
-            self.timeout,
-            offer,
-        ));
+        let answer = self
+            .runtime
+            .block_on(self.caller.rdma_connect(&self.agent, offer));
         answer.map_err(|e| match e {
             Error::Engine(e) => e,
             other => kvfabric_engine::Error::TransportUnavailable {

@@ -23,6 +23,7 @@ use crate::local_api::LocalApi;
 use crate::metrics::{Metrics, ServedLabels, SharedMetrics};
 use crate::node::{Node, NodeConfig};
 use crate::peer_api::PeerApi;
+use crate::peer_token::PeerToken;
 use crate::registry::etcd::{EtcdConfig, EtcdRegistry, EtcdTls};
 use crate::registry::memory::MemoryRegistry;
 use crate::registry::{AgentEntry, SharedRegistry};
@@ -153,7 +154,19 @@ fn validate(args: &AgentArgs) -> Result<()> {
     }
     crate::node::check_segment_name(&agent_name(args))
         .map_err(|_| Error::config("name", agent_name(args), "1..=253 of [A-Za-z0-9-_.:]"))?;
+    peer_token(args)?;
     Ok(())
+}
+
+/// Parsed here rather than by clap, whose message would echo the secret.
+fn peer_token(args: &AgentArgs) -> Result<Option<PeerToken>> {
+    args.peer_token
+        .as_deref()
+        .map(|t| {
+            t.parse()
+                .map_err(|reason| Error::config("peer-token", "(hidden)", reason))
+        })
+        .transpose()
 }
 
 fn agent_name(args: &AgentArgs) -> String {
@@ -238,6 +251,7 @@ pub async fn serve(
             batch_timeout: Duration::from_millis(args.batch_timeout_ms),
             max_batch_ops: args.max_batch_ops,
             connect_timeout: Duration::from_millis(args.connect_timeout_ms),
+            peer_token: peer_token(args)?,
         },
         engine.clone(),
         registry.clone(),

@@ -16,7 +16,16 @@ struct TestAgent(InProcessAgent);
 
 impl TestAgent {
     async fn start(name: &str, transports: &str, store: &MemoryStore) -> TestAgent {
-        let flags = [
+        TestAgent::start_with(name, transports, store, &[]).await
+    }
+
+    async fn start_with(
+        name: &str,
+        transports: &str,
+        store: &MemoryStore,
+        extra: &[&str],
+    ) -> TestAgent {
+        let mut flags = vec![
             "--fabric",
             "test",
             "--transports",
@@ -26,6 +35,7 @@ impl TestAgent {
             "--max-batch-ops",
             "1000",
         ];
+        flags.extend_from_slice(extra);
         TestAgent(
             InProcessAgent::start(name, store.registry(), Telemetry::default(), &flags)
                 .await
@@ -449,5 +459,106 @@ async fn rdma_connect_refuses_with_typed_statuses() {
         "{}",
         err.message()
     );
+    a.stop().await;
+}
+
+/// With a peer token set, the peer API (which hands out region keys) admits only callers that
+/// present it: agents sharing the token move data, an agent with another token is refused with
+/// a reason and the refusing agent keeps serving, and a bare gRPC caller learns nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peer_api_admits_only_callers_with_the_fabric_token() {
+    use kvfabric_agent::rpc::pb::HandshakeRequest;
+    use kvfabric_agent::rpc::pb::peer_agent_client::PeerAgentClient;
+
+    const TOKEN: &str = "fabric-token-0123456789";
+    let store = MemoryStore::new();
+    let a = TestAgent::start_with("node-a", "tcp", &store, &["--peer-token", TOKEN]).await;
+    let b = TestAgent::start_with("node-b", "tcp", &store, &["--peer-token", TOKEN]).await;
+    let c = TestAgent::start_with(
+        "node-c",
+        "tcp",
+        &store,
+        &["--peer-token", "some-other-token-987"],
+    )
+    .await;
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let block = 4096;
+    let src = random(64 * block, 3);
+    let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let ops = blocks(8, block, 5);
+
+    let stranger = Client::connect(c.socket_dir()).await.unwrap();
+    let theirs = random(64 * block, 4);
+    let s = stranger
+        .register("decode-c", &[&theirs], None)
+        .await
+        .unwrap();
+    let err = stranger
+        .read(&s, "prefill-0", p.key, &ops)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("peer token that is not this fabric's"),
+        "{err}"
+    );
+    let before = random(64 * block, 4);
+    // SAFETY: the refused batch left nothing in flight.
+    assert!(unsafe { theirs.as_slice() == before.as_slice() });
+
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let dst = random(64 * block, 5);
+    let d = decode.register("decode-b", &[&dst], None).await.unwrap();
+    let done = decode.read(&d, "prefill-0", p.key, &ops).await.unwrap();
+    assert_eq!(done.bytes, 8 * block);
+    // SAFETY: the batch completed.
+    let (from, to) = unsafe { (src.as_slice(), dst.as_slice()) };
+    for o in &ops {
+        let (lo, ro, n) = (
+            o.local_offset as usize,
+            o.remote_offset as usize,
+            o.len as usize,
+        );
+        assert!(to[lo..lo + n] == from[ro..ro + n], "block at {lo} differs");
+    }
+
+    let mut raw = PeerAgentClient::connect(format!("http://{}", a.0.ready.peer))
+        .await
+        .unwrap();
+    let call = |fabric: &str, token: Option<&str>| {
+        let mut r = tonic::Request::new(HandshakeRequest {
+            fabric: fabric.into(),
+            agent: "intruder".into(),
+        });
+        if let Some(t) = token {
+            r.metadata_mut()
+                .insert("authorization", format!("Bearer {t}").parse().unwrap());
+        }
+        r
+    };
+    for (fabric, token, code) in [
+        ("test", None, Code::Unauthenticated),
+        (
+            "test",
+            Some("fabric-token-012345678"),
+            Code::Unauthenticated,
+        ),
+        (
+            "test",
+            Some("fabric-token-01234567890"),
+            Code::Unauthenticated,
+        ),
+        // The token is checked first: a caller without it does not learn the fabric is wrong.
+        ("other", None, Code::Unauthenticated),
+        ("other", Some(TOKEN), Code::PermissionDenied),
+    ] {
+        let err = raw.handshake(call(fabric, token)).await.unwrap_err();
+        assert_eq!(err.code(), code, "{fabric} {token:?}: {err:?}");
+        assert!(!err.message().contains("prefill"), "{}", err.message());
+    }
+    let reply = raw.handshake(call("test", Some(TOKEN))).await.unwrap();
+    assert_eq!(reply.get_ref().agent, "node-a");
+    c.stop().await;
+    b.stop().await;
     a.stop().await;
 }

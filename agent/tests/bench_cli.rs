@@ -138,6 +138,17 @@ fn bad_configuration_exits_64_naming_the_field() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(64));
+    // A weak peer token from the environment stops the agent before it binds anything, and
+    // the message does not echo it.
+    let out = Command::new(BIN)
+        .args(["agent", "--fabric", "x"])
+        .env("KVFABRIC_PEER_TOKEN", "hunter2")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("peer-token") && err.contains("16"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
 }
 
 #[test]

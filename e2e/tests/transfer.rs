@@ -22,8 +22,11 @@ async fn decode_pulls_prefill_blocks_across_namespaces_through_etcd() {
     };
     let ttl = TTL_SECS.to_string();
     let flags = ["--transports", "tcp", "--lease-ttl-secs", &ttl];
-    let mut a = AgentProcess::spawn("prefill-node", &net.hosts[0], &etcd.endpoint(), &flags);
-    let mut b = AgentProcess::spawn("decode-node", &net.hosts[1], &etcd.endpoint(), &flags);
+    // The fabric's peer token comes from the environment, as the operator sets it.
+    let token = [("KVFABRIC_PEER_TOKEN", "e2e-peer-token-0123456789")];
+    let spawn = |name, host| AgentProcess::spawn_env(name, host, &etcd.endpoint(), &flags, &token);
+    let mut a = spawn("prefill-node", &net.hosts[0]);
+    let mut b = spawn("decode-node", &net.hosts[1]);
     assert_eq!(a.ready.registry, "etcd");
     let prefill = Client::connect(a.socket_dir()).await.unwrap();
     let decode = Client::connect(b.socket_dir()).await.unwrap();
