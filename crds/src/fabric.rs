@@ -61,6 +61,13 @@ pub struct TransferFabricSpec {
     #[serde(default)]
     pub etcd: EtcdSpec,
 
+    /// Secret whose `token` (at least 16 printable ASCII characters) the agents of this fabric
+    /// present to each other's peer API, which hands out region keys. Without it, whoever
+    /// reaches an agent's peer port can learn them (the chart's NetworkPolicy keeps other pods
+    /// out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_token_secret: Option<String>,
+
     /// OpenTelemetry export from the agents; off when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tracing: Option<TracingSpec>,

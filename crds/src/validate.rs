@@ -177,6 +177,7 @@ mod tests {
                 endpoints: vec!["http://etcd:2379".into()],
                 ..EtcdSpec::default()
             },
+            peer_token_secret: None,
             tracing: None,
         }
     }

@@ -91,6 +91,9 @@ fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
     if fabric.spec.etcd.tls_secret.is_some() {
         env.push(value_env("KVFABRIC_ETCD_TLS_DIR", ETCD_TLS_MOUNT));
     }
+    if let Some(secret) = &fabric.spec.peer_token_secret {
+        env.push(secret_env("KVFABRIC_PEER_TOKEN", secret, "token"));
+    }
     // The user's env wins over ours: server-side apply rejects duplicate names in a list map.
     env.retain(|e| !agent.env.iter().any(|u| u.name == e.name));
     env.extend(agent.env.iter().cloned());
@@ -427,6 +430,22 @@ mod tests {
                 .iter()
                 .any(|v| v.name == "etcd-tls")
         );
+    }
+
+    #[test]
+    fn peer_token_from_its_secret() {
+        let token = |f: &TransferFabric| {
+            let ds = build(f, 0);
+            env_value(agent(&ds), "KVFABRIC_PEER_TOKEN")
+                .and_then(|e| e.value_from.as_ref())
+                .and_then(|v| v.secret_key_ref.as_ref())
+                .map(|r| (r.name.clone(), r.key.clone()))
+        };
+        assert_eq!(
+            token(&full()),
+            Some(("kvfabric-peer-token".into(), "token".into()))
+        );
+        assert_eq!(token(&minimal()), None);
     }
 
     #[test]

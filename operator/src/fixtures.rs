@@ -98,6 +98,7 @@ pub fn full() -> TransferFabric {
                 auth_secret: Some("etcd-auth".into()),
                 key_prefix: "/kvfabric".into(),
             },
+            peer_token_secret: Some("kvfabric-peer-token".into()),
             tracing: Some(TracingSpec {
                 otlp_endpoint: Some("http://otel-collector:4317".into()),
                 sample_ratio: 0.25,
@@ -131,6 +132,7 @@ pub fn minimal() -> TransferFabric {
         ..EtcdSpec::default()
     };
     f.spec.tracing = None;
+    f.spec.peer_token_secret = None;
     f.spec.transports = Transport::KNOWN.to_vec();
     f
 }
