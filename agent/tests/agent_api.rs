@@ -71,6 +71,20 @@ fn blocks(n: u64, block: u64, stride: u64) -> Vec<Op> {
         .collect()
 }
 
+/// Every op's destination block holds its source block (after a completed pull).
+fn pulled_exactly(ops: &[Op], src: &HostMemory, dst: &HostMemory) {
+    // SAFETY: the caller's batch completed; nothing is in flight.
+    let (from, to) = unsafe { (src.as_slice(), dst.as_slice()) };
+    for o in ops {
+        let (lo, ro, n) = (
+            o.local_offset as usize,
+            o.remote_offset as usize,
+            o.len as usize,
+        );
+        assert!(to[lo..lo + n] == from[ro..ro + n], "block at {lo} differs");
+    }
+}
+
 async fn pull_and_push(transports: &str, expect: &str) {
     let store = MemoryStore::new();
     let a = TestAgent::start("node-a", transports, &store).await;
@@ -93,16 +107,9 @@ async fn pull_and_push(transports: &str, expect: &str) {
     assert_eq!(done.bytes, 32 * block);
     assert_eq!(done.transport, expect, "{done:?}");
     assert_eq!(done.remote_agent, "node-a");
+    pulled_exactly(&ops, &src, &dst);
     // SAFETY: the batch completed; nothing is in flight.
-    let (s, t) = unsafe { (src.as_slice(), dst.as_slice()) };
-    for o in &ops {
-        let (lo, ro, n) = (
-            o.local_offset as usize,
-            o.remote_offset as usize,
-            o.len as usize,
-        );
-        assert!(t[lo..lo + n] == s[ro..ro + n], "block at {lo} differs");
-    }
+    let t = unsafe { dst.as_slice() };
     // Untouched blocks keep their bytes.
     let untouched = random(64 * block, 2);
     // SAFETY: as above.
@@ -388,16 +395,7 @@ async fn without_rdma_devices_the_link_falls_back_to_tcp_and_says_why() {
         reason.contains("peer agent node-a lists no RDMA devices"),
         "{reason}"
     );
-    // SAFETY: the batch completed; nothing is in flight.
-    let (s, t) = unsafe { (src.as_slice(), dst.as_slice()) };
-    for o in &ops {
-        let (lo, ro, n) = (
-            o.local_offset as usize,
-            o.remote_offset as usize,
-            o.len as usize,
-        );
-        assert!(t[lo..lo + n] == s[ro..ro + n], "block at {lo} differs");
-    }
+    pulled_exactly(&ops, &src, &dst);
     let status = decode.status().await.unwrap();
     assert_eq!(status.connections.len(), 1);
     assert_eq!(status.connections[0].transport, "tcp");
@@ -511,16 +509,7 @@ async fn the_peer_api_admits_only_callers_with_the_fabric_token() {
     let d = decode.register("decode-b", &[&dst], None).await.unwrap();
     let done = decode.read(&d, "prefill-0", p.key, &ops).await.unwrap();
     assert_eq!(done.bytes, 8 * block);
-    // SAFETY: the batch completed.
-    let (from, to) = unsafe { (src.as_slice(), dst.as_slice()) };
-    for o in &ops {
-        let (lo, ro, n) = (
-            o.local_offset as usize,
-            o.remote_offset as usize,
-            o.len as usize,
-        );
-        assert!(to[lo..lo + n] == from[ro..ro + n], "block at {lo} differs");
-    }
+    pulled_exactly(&ops, &src, &dst);
 
     let mut raw = PeerAgentClient::connect(format!("http://{}", a.0.ready.peer))
         .await
