@@ -1,7 +1,7 @@
 //! The agent's state: its engine, the segments its workers registered, and its data connections
 //! to other agents (opened through their peer API, cached, re-opened after a failure).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,6 +64,29 @@ pub struct Link {
     pub batches: AtomicU64,
     pub errors: AtomicU64,
     pub opened: Instant,
+    /// The peer's region keys as of the descriptor `peer` holds, replaced with it: every batch
+    /// checks its segment against them, and a peer agent may serve thousands of regions.
+    keys: std::sync::RwLock<Arc<RegionKeys>>,
+}
+
+type RegionKeys = HashMap<RegionId, AccessKey>;
+
+fn region_keys(d: &SegmentDescriptor) -> Arc<RegionKeys> {
+    Arc::new(d.regions.iter().map(|r| (r.id, r.key)).collect())
+}
+
+impl Link {
+    fn keys(&self) -> Arc<RegionKeys> {
+        self.keys.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces what the link knows of the peer's regions.
+    fn learn(&self, descriptor: SegmentDescriptor) -> Arc<RegionKeys> {
+        let keys = region_keys(&descriptor);
+        self.peer.set_descriptor(descriptor);
+        *self.keys.write().unwrap_or_else(|e| e.into_inner()) = keys.clone();
+        keys
+    }
 }
 
 /// A registration request, decoded from whichever API carried it.
@@ -486,9 +509,7 @@ impl Node {
         let link = self.link(&remote, gpu_only).await?;
         span.record("kvfabric.transport", link.peer.transport().to_string());
         span.record("kvfabric.transport.reason", link.reason.as_str());
-        let descriptor = self.fresh_descriptor(&link, &remote).await?;
-        let keys: HashMap<RegionId, AccessKey> =
-            descriptor.regions.iter().map(|d| (d.id, d.key)).collect();
+        let keys = self.fresh_keys(&link, &remote).await?;
         let wrong = |r: &SegmentRegion| {
             keys.get(&r.id)
                 .is_some_and(|k| *k != AccessKey(t.remote_key))
@@ -676,6 +697,7 @@ impl Node {
                         batches: AtomicU64::new(0),
                         errors: AtomicU64::new(0),
                         opened: Instant::now(),
+                        keys: std::sync::RwLock::new(region_keys(&descriptor)),
                     });
                     links.insert((agent.name.clone(), kind), link.clone());
                     return Ok(link);
@@ -716,14 +738,10 @@ impl Node {
         }
     }
 
-    /// The link's view of the peer's regions, refreshed when it lacks some of `segment`'s (the
+    /// The link's keys of the peer's regions, refreshed when it lacks some of `segment`'s (the
     /// segment was registered after the link opened).
-    async fn fresh_descriptor(
-        &self,
-        link: &Link,
-        segment: &SegmentEntry,
-    ) -> Result<SegmentDescriptor> {
-        let known = link.peer.descriptor();
+    async fn fresh_keys(&self, link: &Link, segment: &SegmentEntry) -> Result<Arc<RegionKeys>> {
+        let known = link.keys();
         if unserved(&known, segment).is_none() {
             return Ok(known);
         }
@@ -734,8 +752,7 @@ impl Node {
                 agent: link.agent.clone(),
                 segment: segment.name.clone(),
             })?;
-        let fresh = self.peer_descriptor(&agent).await?;
-        link.peer.set_descriptor(fresh.clone());
+        let fresh = link.learn(self.peer_descriptor(&agent).await?);
         if let Some(r) = unserved(&fresh, segment) {
             return Err(Error::PeerAgent {
                 agent: link.agent.clone(),
@@ -772,14 +789,9 @@ impl Node {
     }
 }
 
-/// The first region of `segment` that `descriptor` does not serve (one pass over each, since a
-/// segment may hold thousands of regions and this runs for every batch).
-fn unserved<'a>(
-    descriptor: &SegmentDescriptor,
-    segment: &'a SegmentEntry,
-) -> Option<&'a SegmentRegion> {
-    let served: HashSet<RegionId> = descriptor.regions.iter().map(|r| r.id).collect();
-    segment.regions.iter().find(|r| !served.contains(&r.id))
+/// The first region of `segment` that the peer's `keys` do not cover.
+fn unserved<'a>(keys: &RegionKeys, segment: &'a SegmentEntry) -> Option<&'a SegmentRegion> {
+    segment.regions.iter().find(|r| !keys.contains_key(&r.id))
 }
 
 /// Errors after which the connection cannot be trusted to carry the next batch.

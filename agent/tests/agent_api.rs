@@ -551,3 +551,46 @@ async fn the_peer_api_admits_only_callers_with_the_fabric_token() {
     b.stop().await;
     a.stop().await;
 }
+
+/// A segment registered after the data connection opened: the link learns its regions with one
+/// more handshake (keeping the connection), and still checks its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn segments_registered_after_the_link_opened_are_learned_and_key_checked() {
+    let store = MemoryStore::new();
+    let a = TestAgent::start("node-a", "tcp", &store).await;
+    let b = TestAgent::start("node-b", "tcp", &store).await;
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let block = 4096;
+    let first = random(64 * block, 6);
+    let p0 = prefill
+        .register("prefill-0", &[&first], None)
+        .await
+        .unwrap();
+    let dst = random(64 * block, 7);
+    let d = decode.register("decode-0", &[&dst], None).await.unwrap();
+    let ops = blocks(4, block, 3);
+    decode.read(&d, "prefill-0", p0.key, &ops).await.unwrap();
+    pulled_exactly(&ops, &first, &dst);
+
+    let later = random(64 * block, 8);
+    let p1 = prefill
+        .register("prefill-1", &[&later], None)
+        .await
+        .unwrap();
+    let wrong = decode
+        .read(&d, "prefill-1", p1.key ^ 1, &ops)
+        .await
+        .unwrap_err();
+    assert!(
+        wrong.to_string().contains("prefill-1") && wrong.to_string().contains("key"),
+        "{wrong}"
+    );
+    let done = decode.read(&d, "prefill-1", p1.key, &ops).await.unwrap();
+    assert_eq!(done.bytes, 4 * block);
+    pulled_exactly(&ops, &later, &dst);
+    let status = decode.status().await.unwrap();
+    assert_eq!(status.connections.len(), 1, "{status:?}");
+    b.stop().await;
+    a.stop().await;
+}
