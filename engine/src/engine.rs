@@ -12,7 +12,7 @@ use crate::batch::{Batch, BatchHandle, BatchResult, Job};
 use crate::cuda::CudaPath;
 use crate::error::{Error, Result, Side};
 use crate::frame::{Entry, Hello, PROTOCOL_VERSION};
-use crate::op;
+use crate::op::{self, RegionIndex};
 use crate::rdma::{ConnectInfo, RdmaConfig, RdmaExchange, RdmaNicInfo};
 use crate::region::{AccessKey, Lease, Location, Region, RegionId};
 use crate::region_table::RegionTable;
@@ -621,7 +621,7 @@ impl Peer {
     /// host memory only.
     fn check_locations(
         &self,
-        ops: &[crate::op::BlockOp],
+        resolved: &[(u32, u32)],
         locals: &[Arc<Region>],
         remotes: &[&RegionDesc],
     ) -> Result<()> {
@@ -632,15 +632,8 @@ impl Peer {
             return Ok(());
         }
         let mut first: Option<Location> = None;
-        for (i, o) in ops.iter().enumerate() {
-            let local = locals
-                .iter()
-                .find(|r| r.id() == o.local_region)
-                .expect("looked up by submit");
-            let remote = remotes
-                .iter()
-                .find(|r| r.id == o.remote_region)
-                .expect("looked up by submit");
+        for (i, &(l, r)) in resolved.iter().enumerate() {
+            let (local, remote) = (&locals[l as usize], remotes[r as usize]);
             let gpu = |l: Location| matches!(l, Location::Cuda { .. });
             let staged = |region, location| Error::StagingNotConfigured {
                 op: i,
@@ -721,28 +714,34 @@ impl Peer {
         let descriptor = self.descriptor.read().unwrap_or_else(|e| e.into_inner());
         let mut locals: Vec<Arc<Region>> = Vec::new();
         let mut remotes: Vec<&RegionDesc> = Vec::new();
+        // Each op's (local, remote) index into those, found once: a KV cache is often one region
+        // per layer, and a batch of 10^5 ops must not search them three times per op.
+        let mut resolved: Vec<(u32, u32)> = Vec::with_capacity(batch.ops.len());
+        let (mut local_at, mut remote_at) = (RegionIndex::default(), RegionIndex::default());
+        // Batches visit regions in runs: the previous op's first.
+        let (mut l, mut r) = (usize::MAX, usize::MAX);
         for (i, o) in batch.ops.iter().enumerate() {
-            let local = match locals.iter().find(|r| r.id() == o.local_region) {
-                Some(r) => r,
-                None => {
+            if locals.get(l).is_none_or(|x| x.id() != o.local_region) {
+                let (n, new) = local_at.number(o.local_region);
+                if new {
                     locals.push(self.inner.regions.get(o.local_region, Side::Local)?);
-                    locals.last().expect("just pushed")
                 }
-            };
-            local.range(i, "local_offset", o.local_offset, o.len)?;
-            let remote = match remotes.iter().find(|r| r.id == o.remote_region) {
-                Some(r) => *r,
-                None => {
-                    let r = descriptor
-                        .region(o.remote_region)
-                        .ok_or(Error::UnknownRegion {
+                l = n;
+            }
+            if remotes.get(r).is_none_or(|x| x.id != o.remote_region) {
+                let (n, new) = remote_at.number(o.remote_region);
+                if new {
+                    remotes.push(descriptor.region(o.remote_region).ok_or(
+                        Error::UnknownRegion {
                             region: o.remote_region,
                             side: Side::Remote,
-                        })?;
-                    remotes.push(r);
-                    r
+                        },
+                    )?);
                 }
-            };
+                r = n;
+            }
+            locals[l].range(i, "local_offset", o.local_offset, o.len)?;
+            let remote = remotes[r];
             if o.remote_offset
                 .checked_add(o.len)
                 .is_none_or(|end| end > remote.len)
@@ -756,19 +755,15 @@ impl Peer {
                     region_len: remote.len,
                 });
             }
+            resolved.push((l as u32, r as u32));
         }
-        self.check_locations(&batch.ops, &locals, &remotes)?;
+        self.check_locations(&resolved, &locals, &remotes)?;
         let mut pieces = Vec::with_capacity(batch.ops.len());
         for c in op::coalesce(&batch.ops) {
             let o = c.op;
-            let local = locals
-                .iter()
-                .find(|r| r.id() == o.local_region)
-                .expect("looked up above");
-            let remote = remotes
-                .iter()
-                .find(|r| r.id == o.remote_region)
-                .expect("looked up above");
+            // Coalesced ops share their first op's regions.
+            let (l, r) = resolved[c.first_index];
+            let (local, remote) = (&locals[l as usize], remotes[r as usize]);
             pieces.push(Piece {
                 local: local.range(c.first_index, "local_offset", o.local_offset, o.len)?,
                 remote: Entry {

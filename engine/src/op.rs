@@ -1,5 +1,7 @@
 //! Block ops: validation and coalescing, before anything reaches a transport.
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -115,36 +117,80 @@ pub(crate) fn check_disjoint(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u
     Ok(())
 }
 
+/// The regions a batch names, numbered in first-seen order: found by a scan while few, through
+/// a map once a batch spans many (a KV cache registered one region per layer).
+#[derive(Debug, Default)]
+pub(crate) struct RegionIndex {
+    ids: Vec<RegionId>,
+    map: HashMap<RegionId, usize>,
+}
+
+impl RegionIndex {
+    const SCAN: usize = 8;
+
+    /// The number of `id`, and whether it is new.
+    pub(crate) fn number(&mut self, id: RegionId) -> (usize, bool) {
+        let found = if self.ids.len() <= Self::SCAN {
+            self.ids.iter().position(|x| *x == id)
+        } else {
+            self.map.get(&id).copied()
+        };
+        if let Some(n) = found {
+            return (n, false);
+        }
+        self.ids.push(id);
+        let n = self.ids.len() - 1;
+        if self.ids.len() > Self::SCAN {
+            if self.map.is_empty() {
+                self.map
+                    .extend(self.ids.iter().enumerate().map(|(n, id)| (*id, n)));
+            } else {
+                self.map.insert(id, n);
+            }
+        }
+        (n, true)
+    }
+}
+
 /// The common KV case in one pass: every range the same length and every offset a multiple of
 /// it, so two destinations overlap only by landing on the same block, which a bitmap per region
 /// catches. False means "not shown disjoint this way": the sort decides (and names the ops).
 fn disjoint_uniform_blocks(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u64)) -> bool {
-    /// Past this many blocks a bitmap costs more than it saves.
-    const MAX_BLOCK: u64 = 1 << 27;
+    /// Past this many bits in all (32 MiB) the bitmaps cost more than the sort they save.
+    const MAX_BITS: u64 = 1 << 28;
     let len = dest(0).2;
     let mut maps: Vec<(RegionId, Vec<u64>)> = Vec::new();
+    let mut index = RegionIndex::default();
+    // Batches visit regions in runs: the previous op's first.
+    let mut current = usize::MAX;
+    let mut bits = 0u64;
     for i in 0..n {
         let (region, offset, l) = dest(i);
-        if l != len || len == 0 || !offset.is_multiple_of(len) || offset / len >= MAX_BLOCK {
+        if l != len || len == 0 || !offset.is_multiple_of(len) {
             return false;
         }
-        let block = (offset / len) as usize;
-        let map = match maps.iter().position(|(r, _)| *r == region) {
-            Some(i) => &mut maps[i].1,
-            None if maps.len() < 8 => {
+        let block = offset / len;
+        if maps.get(current).is_none_or(|(r, _)| *r != region) {
+            let (n, new) = index.number(region);
+            if new {
                 maps.push((region, Vec::new()));
-                &mut maps.last_mut().expect("just pushed").1
             }
-            None => return false,
-        };
-        if map.len() <= block / 64 {
-            map.resize(block / 64 + 1, 0);
+            current = n;
+        }
+        let map = &mut maps[current].1;
+        let word = (block / 64) as usize;
+        if map.len() <= word {
+            bits += (word + 1 - map.len()) as u64 * 64;
+            if bits > MAX_BITS {
+                return false;
+            }
+            map.resize(word + 1, 0);
         }
         let bit = 1u64 << (block % 64);
-        if map[block / 64] & bit != 0 {
+        if map[word] & bit != 0 {
             return false;
         }
-        map[block / 64] |= bit;
+        map[word] |= bit;
     }
     true
 }
@@ -275,6 +321,16 @@ mod tests {
         |i| (ops[i].local_region, ops[i].local_offset, ops[i].len)
     }
 
+    /// The bitmap pass refuses `ops`, and the sort names ops `a` and `b`.
+    fn overlap_named(ops: &[BlockOp], a: usize, b: usize) {
+        assert!(!disjoint_uniform_blocks(ops.len(), local_dests(ops)));
+        let err = validate(ops, Opcode::Read).unwrap_err();
+        assert!(
+            matches!(err, Error::OverlappingDestination { first, second, .. } if (first, second) == (a, b)),
+            "{err}"
+        );
+    }
+
     #[test]
     fn uniform_blocks_take_the_bitmap_path_and_duplicates_still_name_both_ops() {
         let ops: Vec<BlockOp> = (0..1000)
@@ -284,23 +340,36 @@ mod tests {
         validate(&ops, Opcode::Read).unwrap();
         let mut dup = ops.clone();
         dup[700].local_offset = dup[3].local_offset;
-        assert!(!disjoint_uniform_blocks(dup.len(), local_dests(&dup)));
-        let err = validate(&dup, Opcode::Read).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::OverlappingDestination {
-                    first: 3,
-                    second: 700,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        overlap_named(&dup, 3, 700);
         // Unaligned or mixed lengths fall back to the sort.
         let mut odd = ops.clone();
         odd[5].local_offset += 1;
         assert!(!disjoint_uniform_blocks(odd.len(), local_dests(&odd)));
         validate(&odd, Opcode::Read).unwrap_err();
+    }
+
+    #[test]
+    fn one_region_per_layer_stays_on_the_bitmap_path_in_any_order() {
+        // 64 layer regions, the same block numbers in each, visited in runs and interleaved.
+        let at = |layer: u64, block: u64| BlockOp {
+            local_region: RegionId(100 + layer),
+            ..op(block * 4096, 0, 4096)
+        };
+        let runs: Vec<BlockOp> = (0..64)
+            .flat_map(|l| (0..50).map(move |b| at(l, b)))
+            .collect();
+        let interleaved: Vec<BlockOp> = (0..50)
+            .flat_map(|b| (0..64).map(move |l| at(l, b)))
+            .collect();
+        for ops in [&runs, &interleaved] {
+            assert!(disjoint_uniform_blocks(ops.len(), local_dests(ops)));
+            let mut dup = ops.clone();
+            dup[3000] = dup[1234];
+            overlap_named(&dup, 1234, 3000);
+        }
+        // Offsets whose bitmaps together would pass 32 MiB go to the sort instead.
+        let far: Vec<BlockOp> = (0..20).map(|l| at(l, (1 << 24) + l)).collect();
+        assert!(!disjoint_uniform_blocks(far.len(), local_dests(&far)));
+        validate(&far, Opcode::Read).unwrap();
     }
 }
