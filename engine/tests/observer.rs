@@ -80,6 +80,22 @@ async fn served_chunks_carry_the_initiators_trace_context() {
     wrong.remote_key = Some(kvfabric_engine::AccessKey(1));
     assert!(peer.submit(wrong).unwrap().wait().await.is_err());
 
+    // The target tells its observer after it answers: the last chunks may still be on their way.
+    let observed = |s: &Vec<Chunk>| {
+        let bytes = |op| {
+            s.iter()
+                .filter(|c| c.0 == op && c.3.is_none())
+                .map(|c| c.1)
+                .sum::<u64>()
+        };
+        bytes(Opcode::Read) == 64 * 4096
+            && bytes(Opcode::Write) == 8 * 4096
+            && s.iter().any(|c| c.3.is_some())
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !observed(&seen.0.lock().unwrap()) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
     let seen = seen.0.lock().unwrap();
     let traced: Vec<_> = seen.iter().filter(|s| s.2 == Some(trace)).collect();
     assert!(
