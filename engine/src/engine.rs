@@ -1,5 +1,6 @@
 //! The engine: this process's regions, its data-plane servers, and its connections to peers.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -567,10 +568,34 @@ impl Engine {
         .map_err(|e| Error::io("connect task", std::io::Error::other(e)))??;
         Ok(Peer {
             inner: self.inner.clone(),
-            descriptor: RwLock::new(descriptor),
+            known: RwLock::new(Known::new(descriptor)),
             selection,
             link,
         })
+    }
+}
+
+/// What this side knows of the peer's regions, indexed by id: a peer agent may serve thousands,
+/// and every batch looks its own up.
+#[derive(Debug)]
+struct Known {
+    descriptor: SegmentDescriptor,
+    index: HashMap<RegionId, usize>,
+}
+
+impl Known {
+    fn new(descriptor: SegmentDescriptor) -> Known {
+        let index = descriptor
+            .regions
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.id, i))
+            .collect();
+        Known { descriptor, index }
+    }
+
+    fn region(&self, id: RegionId) -> Option<&RegionDesc> {
+        self.index.get(&id).map(|&i| &self.descriptor.regions[i])
     }
 }
 
@@ -578,7 +603,7 @@ impl Engine {
 #[derive(Debug)]
 pub struct Peer {
     inner: Arc<Inner>,
-    descriptor: RwLock<SegmentDescriptor>,
+    known: RwLock<Known>,
     selection: Selection,
     link: Box<dyn Transport>,
 }
@@ -593,16 +618,17 @@ impl Peer {
     }
 
     pub fn descriptor(&self) -> SegmentDescriptor {
-        self.descriptor
+        self.known
             .read()
             .unwrap_or_else(|e| e.into_inner())
+            .descriptor
             .clone()
     }
 
     /// Replaces what we know of the peer's regions (after it registered or dropped some).
     pub fn set_descriptor(&self, descriptor: SegmentDescriptor) {
         self.link.regions_changed(&descriptor);
-        *self.descriptor.write().unwrap_or_else(|e| e.into_inner()) = descriptor;
+        *self.known.write().unwrap_or_else(|e| e.into_inner()) = Known::new(descriptor);
     }
 
     pub fn stats(&self) -> TransportStats {
@@ -711,7 +737,7 @@ impl Peer {
             });
         }
         op::validate(&batch.ops, batch.opcode)?;
-        let descriptor = self.descriptor.read().unwrap_or_else(|e| e.into_inner());
+        let known = self.known.read().unwrap_or_else(|e| e.into_inner());
         let mut locals: Vec<Arc<Region>> = Vec::new();
         let mut remotes: Vec<&RegionDesc> = Vec::new();
         // Each op's (local, remote) index into those, found once: a KV cache is often one region
@@ -731,12 +757,10 @@ impl Peer {
             if remotes.get(r).is_none_or(|x| x.id != o.remote_region) {
                 let (n, new) = remote_at.number(o.remote_region);
                 if new {
-                    remotes.push(descriptor.region(o.remote_region).ok_or(
-                        Error::UnknownRegion {
-                            region: o.remote_region,
-                            side: Side::Remote,
-                        },
-                    )?);
+                    remotes.push(known.region(o.remote_region).ok_or(Error::UnknownRegion {
+                        region: o.remote_region,
+                        side: Side::Remote,
+                    })?);
                 }
                 r = n;
             }
@@ -778,7 +802,7 @@ impl Peer {
                 location: local.location(),
             });
         }
-        drop(descriptor);
+        drop(known);
         let leases: Vec<Lease> = locals.iter().map(|r| r.lease()).collect();
         let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
         let job = Job::new(id, batch.opcode, batch.checksum, batch.trace, leases);

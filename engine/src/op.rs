@@ -321,6 +321,18 @@ mod tests {
         |i| (ops[i].local_region, ops[i].local_offset, ops[i].len)
     }
 
+    #[test]
+    fn region_numbers_stay_put_past_the_scan() {
+        let mut index = RegionIndex::default();
+        for round in 0..3 {
+            for id in (0..40u64).rev() {
+                let (n, new) = index.number(RegionId(1000 + id));
+                assert_eq!(n as u64, 39 - id, "round {round}");
+                assert_eq!(new, round == 0);
+            }
+        }
+    }
+
     /// The bitmap pass refuses `ops`, and the sort names ops `a` and `b`.
     fn overlap_named(ops: &[BlockOp], a: usize, b: usize) {
         assert!(!disjoint_uniform_blocks(ops.len(), local_dests(ops)));

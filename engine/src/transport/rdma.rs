@@ -25,7 +25,7 @@ use tracing::{debug, info, warn};
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::error::{Error, Result, Side};
-use crate::op::{BlockOp, Coalesced};
+use crate::op::{BlockOp, Coalesced, RegionIndex};
 use crate::rdma::config::RdmaConfig;
 use crate::rdma::handshake::{ConnectInfo, QpParams, negotiate, pair};
 use crate::rdma::lane::{Failure, LaneItem, LaneState};
@@ -630,6 +630,8 @@ impl LinkShared {
         let descriptor = self.descriptor.read().unwrap_or_else(|e| e.into_inner());
         // Local regions of the batch and their registrations per NIC.
         let mut locals: Vec<(RegionId, Registrations)> = Vec::new();
+        // A batch may span many regions (one per layer): each is looked at once.
+        let (mut local_seen, mut remote_seen) = (RegionIndex::default(), RegionIndex::default());
         let mut location = None;
         for p in pieces {
             location = match location {
@@ -638,7 +640,7 @@ impl LinkShared {
                 // Memory in several places: no NIC is closer than another.
                 Some(_) => Some(Location::Host { numa: None }),
             };
-            if locals.iter().any(|(id, _)| *id == p.local_region) {
+            if !local_seen.number(p.local_region).1 {
                 continue;
             }
             let region = job
@@ -657,7 +659,7 @@ impl LinkShared {
         // Remote regions: their descriptor entries, the key checked.
         let mut remotes: Vec<&crate::segment::RegionDesc> = Vec::new();
         for p in pieces {
-            if remotes.iter().any(|r| r.id == p.remote.region) {
+            if !remote_seen.number(p.remote.region).1 {
                 continue;
             }
             let r = descriptor
