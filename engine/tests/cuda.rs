@@ -678,6 +678,54 @@ async fn a_peer_gone_mid_gpu_batch_is_a_typed_error_and_later_batches_are_exact(
 
 const IPC_CHILD: &str = "KVFABRIC_TEST_IPC_CHILD";
 
+/// The child half of a cross-process test: announces its export (and `detail`) on stdout, then
+/// waits to be killed.
+fn announce_and_wait(export: &CudaExport, detail: impl std::fmt::Display) -> ! {
+    println!(
+        "KVF-IPC {} {detail}",
+        serde_json::to_string(export).unwrap()
+    );
+    use std::io::Write as _;
+    std::io::stdout().flush().unwrap();
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// The exporting child process, killed however the test ends.
+struct Exporter(std::process::Child);
+
+impl Drop for Exporter {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs test `name` of this binary as the exporting child; returns it with the export and the
+/// detail it announced.
+fn spawn_exporter(name: &str) -> (Exporter, CudaExport, String) {
+    use std::io::BufRead as _;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(IPC_CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let child = Exporter(child);
+    let line = out
+        .lines()
+        .map_while(|l| l.ok())
+        // libtest may print "test NAME ... " on the same line first.
+        .find_map(|l| l.find("KVF-IPC ").map(|at| l[at..].to_string()))
+        .expect("the child exported nothing");
+    let mut parts = line.splitn(3, ' ').skip(1);
+    let export: CudaExport = serde_json::from_str(parts.next().unwrap()).unwrap();
+    let detail = parts.next().unwrap_or_default().to_string();
+    (child, export, detail)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ipc_handle_from_a_dead_process_is_a_typed_error() {
     if std::env::var_os(IPC_CHILD).is_some() {
@@ -685,44 +733,14 @@ async fn an_ipc_handle_from_a_dead_process_is_a_typed_error() {
         let engine = Engine::new(common::config("ipc-child")).unwrap();
         let r = engine.alloc_cuda(0, 1 << 20).unwrap();
         let export = r.cuda_export().expect("cuMemAlloc memory exports");
-        println!(
-            "KVF-IPC {} {}",
-            serde_json::to_string(&export).unwrap(),
-            r.len()
-        );
-        use std::io::Write as _;
-        std::io::stdout().flush().unwrap();
-        loop {
-            std::thread::sleep(Duration::from_secs(1));
-        }
+        announce_and_wait(&export, r.len());
     }
     let Some(_) = gpus("an_ipc_handle_from_a_dead_process_is_a_typed_error") else {
         return;
     };
-    use std::io::BufRead as _;
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "an_ipc_handle_from_a_dead_process_is_a_typed_error",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(IPC_CHILD, "1")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let line = out
-        .lines()
-        .map_while(|l| l.ok())
-        // libtest may print "test NAME ... " on the same line first.
-        .find_map(|l| l.find("KVF-IPC ").map(|at| l[at..].to_string()))
-        .expect("the child exported nothing");
-    let mut parts = line.split(' ').skip(1);
-    let export: CudaExport = serde_json::from_str(parts.next().unwrap()).unwrap();
-    let len: u64 = parts.next().unwrap().parse().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    let (child, export, len) = spawn_exporter("an_ipc_handle_from_a_dead_process_is_a_typed_error");
+    let len: u64 = len.parse().unwrap();
+    drop(child);
 
     let engine = Engine::new(common::config("ipc-dead")).unwrap();
     let err = engine
@@ -806,44 +824,13 @@ async fn latency_mode_small_batches_over_cuda_ipc_are_exact() {
         // Word w of the region is pattern_word(SEED, w, 0).
         cuda::fill(&r, 8, SEED).unwrap();
         let export = r.cuda_export().expect("cuMemAlloc memory exports");
-        println!(
-            "KVF-IPC {} {device}",
-            serde_json::to_string(&export).unwrap()
-        );
-        use std::io::Write as _;
-        std::io::stdout().flush().unwrap();
-        loop {
-            std::thread::sleep(Duration::from_secs(1));
-        }
+        announce_and_wait(&export, device);
     }
     let Some(_) = gpus(NAME) else {
         return;
     };
-    use std::io::BufRead as _;
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
-        .env(IPC_CHILD, "1")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let line = out
-        .lines()
-        .map_while(|l| l.ok())
-        .find_map(|l| l.find("KVF-IPC ").map(|at| l[at..].to_string()))
-        .expect("the child exported nothing");
-    // Killed however the test ends.
-    struct Child(std::process::Child);
-    impl Drop for Child {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _child = Child(child);
-    let mut parts = line.split(' ').skip(1);
-    let export: CudaExport = serde_json::from_str(parts.next().unwrap()).unwrap();
-    let device: u32 = parts.next().unwrap().parse().unwrap();
+    let (_child, export, device) = spawn_exporter(NAME);
+    let device: u32 = device.parse().unwrap();
 
     let engine = Engine::new(EngineConfig {
         cuda_spin: true,
