@@ -744,25 +744,17 @@ impl Peer {
         // per layer, and a batch of 10^5 ops must not search them three times per op.
         let mut resolved: Vec<(u32, u32)> = Vec::with_capacity(batch.ops.len());
         let (mut local_at, mut remote_at) = (RegionIndex::default(), RegionIndex::default());
-        // Batches visit regions in runs: the previous op's first.
-        let (mut l, mut r) = (usize::MAX, usize::MAX);
         for (i, o) in batch.ops.iter().enumerate() {
-            if locals.get(l).is_none_or(|x| x.id() != o.local_region) {
-                let (n, new) = local_at.number(o.local_region);
-                if new {
-                    locals.push(self.inner.regions.get(o.local_region, Side::Local)?);
-                }
-                l = n;
+            let (l, new) = local_at.number(o.local_region);
+            if new {
+                locals.push(self.inner.regions.get(o.local_region, Side::Local)?);
             }
-            if remotes.get(r).is_none_or(|x| x.id != o.remote_region) {
-                let (n, new) = remote_at.number(o.remote_region);
-                if new {
-                    remotes.push(known.region(o.remote_region).ok_or(Error::UnknownRegion {
-                        region: o.remote_region,
-                        side: Side::Remote,
-                    })?);
-                }
-                r = n;
+            let (r, new) = remote_at.number(o.remote_region);
+            if new {
+                remotes.push(known.region(o.remote_region).ok_or(Error::UnknownRegion {
+                    region: o.remote_region,
+                    side: Side::Remote,
+                })?);
             }
             locals[l].range(i, "local_offset", o.local_offset, o.len)?;
             let remote = remotes[r];

@@ -117,12 +117,14 @@ pub(crate) fn check_disjoint(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u
     Ok(())
 }
 
-/// The regions a batch names, numbered in first-seen order: found by a scan while few, through
-/// a map once a batch spans many (a KV cache registered one region per layer).
+/// The regions a batch names, numbered in first-seen order: the previous op's first (batches
+/// visit regions in runs), then a scan while few, a map once a batch spans many (a KV cache
+/// registered one region per layer).
 #[derive(Debug, Default)]
 pub(crate) struct RegionIndex {
     ids: Vec<RegionId>,
     map: HashMap<RegionId, usize>,
+    last: usize,
 }
 
 impl RegionIndex {
@@ -130,6 +132,15 @@ impl RegionIndex {
 
     /// The number of `id`, and whether it is new.
     pub(crate) fn number(&mut self, id: RegionId) -> (usize, bool) {
+        if self.ids.get(self.last) == Some(&id) {
+            return (self.last, false);
+        }
+        let (n, new) = self.find_or_add(id);
+        self.last = n;
+        (n, new)
+    }
+
+    fn find_or_add(&mut self, id: RegionId) -> (usize, bool) {
         let found = if self.ids.len() <= Self::SCAN {
             self.ids.iter().position(|x| *x == id)
         } else {
@@ -159,10 +170,9 @@ fn disjoint_uniform_blocks(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u64
     /// Past this many bits in all (32 MiB) the bitmaps cost more than the sort they save.
     const MAX_BITS: u64 = 1 << 28;
     let len = dest(0).2;
-    let mut maps: Vec<(RegionId, Vec<u64>)> = Vec::new();
+    // One bitmap per region, by the region's number in `index`.
+    let mut maps: Vec<Vec<u64>> = Vec::new();
     let mut index = RegionIndex::default();
-    // Batches visit regions in runs: the previous op's first.
-    let mut current = usize::MAX;
     let mut bits = 0u64;
     for i in 0..n {
         let (region, offset, l) = dest(i);
@@ -170,14 +180,11 @@ fn disjoint_uniform_blocks(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u64
             return false;
         }
         let block = offset / len;
-        if maps.get(current).is_none_or(|(r, _)| *r != region) {
-            let (n, new) = index.number(region);
-            if new {
-                maps.push((region, Vec::new()));
-            }
-            current = n;
+        let (n, new) = index.number(region);
+        if new {
+            maps.push(Vec::new());
         }
-        let map = &mut maps[current].1;
+        let map = &mut maps[n];
         let word = (block / 64) as usize;
         if map.len() <= word {
             bits += (word + 1 - map.len()) as u64 * 64;
