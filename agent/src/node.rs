@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvfabric_engine::{
     AccessKey, Batch, BlockOp, CudaExport, Engine, IpcHandle, Location, Opcode, Peer, Preference,
-    Region, RegionId, SegmentDescriptor, TransportKind,
+    Region, SegmentDescriptor, TransportKind,
 };
 use serde::Serialize;
 use tracing::{Instrument, field, info, info_span, warn};
@@ -64,29 +64,6 @@ pub struct Link {
     pub batches: AtomicU64,
     pub errors: AtomicU64,
     pub opened: Instant,
-    /// The peer's region keys as of the descriptor `peer` holds, replaced with it: every batch
-    /// checks its segment against them, and a peer agent may serve thousands of regions.
-    keys: std::sync::RwLock<Arc<RegionKeys>>,
-}
-
-type RegionKeys = HashMap<RegionId, AccessKey>;
-
-fn region_keys(d: &SegmentDescriptor) -> Arc<RegionKeys> {
-    Arc::new(d.regions.iter().map(|r| (r.id, r.key)).collect())
-}
-
-impl Link {
-    fn keys(&self) -> Arc<RegionKeys> {
-        self.keys.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// Replaces what the link knows of the peer's regions.
-    fn learn(&self, descriptor: SegmentDescriptor) -> Arc<RegionKeys> {
-        let keys = region_keys(&descriptor);
-        self.peer.set_descriptor(descriptor);
-        *self.keys.write().unwrap_or_else(|e| e.into_inner()) = keys.clone();
-        keys
-    }
 }
 
 /// A registration request, decoded from whichever API carried it.
@@ -509,10 +486,11 @@ impl Node {
         let link = self.link(&remote, gpu_only).await?;
         span.record("kvfabric.transport", link.peer.transport().to_string());
         span.record("kvfabric.transport.reason", link.reason.as_str());
-        let keys = self.fresh_keys(&link, &remote).await?;
+        self.learn_segment(&link, &remote).await?;
         let wrong = |r: &SegmentRegion| {
-            keys.get(&r.id)
-                .is_some_and(|k| *k != AccessKey(t.remote_key))
+            link.peer
+                .region_key(r.id)
+                .is_some_and(|k| k != AccessKey(t.remote_key))
         };
         if remote.regions.iter().any(wrong) {
             return Err(Error::WrongKey {
@@ -697,7 +675,6 @@ impl Node {
                         batches: AtomicU64::new(0),
                         errors: AtomicU64::new(0),
                         opened: Instant::now(),
-                        keys: std::sync::RwLock::new(region_keys(&descriptor)),
                     });
                     links.insert((agent.name.clone(), kind), link.clone());
                     return Ok(link);
@@ -738,12 +715,11 @@ impl Node {
         }
     }
 
-    /// The link's keys of the peer's regions, refreshed when it lacks some of `segment`'s (the
-    /// segment was registered after the link opened).
-    async fn fresh_keys(&self, link: &Link, segment: &SegmentEntry) -> Result<Arc<RegionKeys>> {
-        let known = link.keys();
-        if unserved(&known, segment).is_none() {
-            return Ok(known);
+    /// Makes sure the link knows every region of `segment`: one more handshake when it lacks
+    /// some (the segment was registered after the link opened).
+    async fn learn_segment(&self, link: &Link, segment: &SegmentEntry) -> Result<()> {
+        if unserved(link, segment).is_none() {
+            return Ok(());
         }
         let agent = self
             .registry
@@ -752,8 +728,9 @@ impl Node {
                 agent: link.agent.clone(),
                 segment: segment.name.clone(),
             })?;
-        let fresh = link.learn(self.peer_descriptor(&agent).await?);
-        if let Some(r) = unserved(&fresh, segment) {
+        link.peer
+            .set_descriptor(self.peer_descriptor(&agent).await?);
+        if let Some(r) = unserved(link, segment) {
             return Err(Error::PeerAgent {
                 agent: link.agent.clone(),
                 addr: agent.peer_addr.to_string(),
@@ -763,7 +740,7 @@ impl Node {
                 ),
             });
         }
-        Ok(fresh)
+        Ok(())
     }
 
     async fn forget(&self, link: &Arc<Link>) {
@@ -789,9 +766,12 @@ impl Node {
     }
 }
 
-/// The first region of `segment` that the peer's `keys` do not cover.
-fn unserved<'a>(keys: &RegionKeys, segment: &'a SegmentEntry) -> Option<&'a SegmentRegion> {
-    segment.regions.iter().find(|r| !keys.contains_key(&r.id))
+/// The first region of `segment` that the link does not know the peer to serve.
+fn unserved<'a>(link: &Link, segment: &'a SegmentEntry) -> Option<&'a SegmentRegion> {
+    segment
+        .regions
+        .iter()
+        .find(|r| link.peer.region_key(r.id).is_none())
 }
 
 /// Errors after which the connection cannot be trusted to carry the next batch.

@@ -625,6 +625,15 @@ impl Peer {
             .clone()
     }
 
+    /// The key of the peer's region `id`, if the peer serves it as far as we know.
+    pub fn region_key(&self, id: RegionId) -> Option<AccessKey> {
+        self.known
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .region(id)
+            .map(|r| r.key)
+    }
+
     /// Replaces what we know of the peer's regions (after it registered or dropped some).
     pub fn set_descriptor(&self, descriptor: SegmentDescriptor) {
         self.link.regions_changed(&descriptor);
