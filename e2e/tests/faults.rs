@@ -170,6 +170,11 @@ async fn etcd_down_keeps_transfers_going_and_agents_re_register_within_a_ttl() {
     );
     let state = p.decode.status().await.unwrap().registry;
     assert!(state.reregistrations >= 1, "{state:?}");
+    // The keys are back in etcd; the decode agent's watch cache follows after its resync.
+    within(Duration::from_secs(5), "segment visible again", || {
+        sees(&p.decode, "prefill-0")
+    })
+    .await;
     p.decode.read(&ds, "prefill-0", ps.key, &ops).await.unwrap();
 }
 
