@@ -27,7 +27,7 @@ echo "== fmt and clippy"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy -p kvfabric-engine --all-targets --features cuda,rdma -- -D warnings
-cargo clippy -p kvfabric-agent --features rdma -- -D warnings
+cargo clippy -p kvfabric-cli --features rdma -- -D warnings
 echo "== fuzz: frame decoder"
 scripts/fuzz.sh "${KVFABRIC_FUZZ_SECS:-60}"
 echo "== helm: lint, render, strict parse of every manifest"

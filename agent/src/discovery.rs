@@ -11,67 +11,8 @@ use std::path::Path;
 
 use kvfabric_engine::cuda::CudaDeviceInfo;
 use kvfabric_engine::rdma::{self, GidChoice};
-use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Devices {
-    pub gpus: Vec<Gpu>,
-    pub rdma: Vec<RdmaDevice>,
-    pub numa_nodes: Vec<NumaNode>,
-    /// Non-loopback interface addresses.
-    pub addresses: Vec<Address>,
-    /// Why a device class could not be listed (e.g. "no CUDA driver"), so an empty list is
-    /// never ambiguous.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub notes: Vec<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Gpu {
-    pub ordinal: u32,
-    pub name: String,
-    /// In sysfs form (`0000:3b:00.0`) so it compares with RDMA devices' PCI addresses.
-    pub pci_bus_id: String,
-    pub memory_bytes: u64,
-    pub numa_node: Option<u32>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RdmaDevice {
-    pub name: String,
-    pub ports: Vec<RdmaPort>,
-    pub numa_node: Option<u32>,
-    pub pci_address: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RdmaPort {
-    pub port: u32,
-    /// `ACTIVE`, `DOWN`, ...
-    pub state: String,
-    /// `InfiniBand` or `Ethernet` (RoCE).
-    pub link_layer: String,
-    /// Bytes; known from sysfs for RoCE ports only (InfiniBand reports it through verbs).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub active_mtu: Option<u32>,
-    /// The GID a connection would use by default, and why (see `rdma::select`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gid_index: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gid: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct NumaNode {
-    pub id: u32,
-    pub cpus: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Address {
-    pub interface: String,
-    pub ip: std::net::IpAddr,
-}
+pub use kvfabric_proto::entry::{Address, Devices, Gpu, NumaNode, RdmaDevice, RdmaPort};
 
 /// What discovery needs that is not under the sysfs root.
 #[derive(Debug)]
@@ -144,6 +85,7 @@ fn gpus(root: &Path, probe: kvfabric_engine::Result<Vec<CudaDeviceInfo>>, d: &mu
                     let bus = rdma::sysfs::normalize_pci_address(&g.pci_bus_id);
                     Gpu {
                         ordinal: g.ordinal,
+                        uuid: g.uuid,
                         name: g.name,
                         numa_node: bus
                             .as_deref()
@@ -269,6 +211,7 @@ mod tests {
             gpus: Ok(vec![CudaDeviceInfo {
                 ordinal: 0,
                 name: "NVIDIA H200".into(),
+                uuid: "GPU-00112233-4455-6677-8899-aabbccddeeff".into(),
                 pci_bus_id: "00000000:3B:00.0".into(),
                 memory_bytes: 150_000_000_000,
             }]),
@@ -285,6 +228,7 @@ mod tests {
             d.gpus,
             [Gpu {
                 ordinal: 0,
+                uuid: "GPU-00112233-4455-6677-8899-aabbccddeeff".into(),
                 name: "NVIDIA H200".into(),
                 pci_bus_id: "0000:3b:00.0".into(),
                 memory_bytes: 150_000_000_000,

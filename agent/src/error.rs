@@ -14,16 +14,6 @@ pub enum Error {
         reason: String,
     },
 
-    #[error("bench control channel with {peer}: {reason}")]
-    Control { peer: String, reason: String },
-
-    #[error("verification failed for {row}: {mismatches} bad blocks, first: {first}")]
-    Verify {
-        row: String,
-        mismatches: u64,
-        first: String,
-    },
-
     /// `delete_segment` of a segment this agent did not put.
     #[error("unknown segment {name:?}: this agent did not put it")]
     UnknownSegment { name: String },
@@ -53,18 +43,6 @@ pub enum Error {
         reason: String,
     },
 
-    /// The `etcd` binary the test kit runs was not found.
-    #[error("etcd not found: apt-get install etcd-server (looked for {looked})")]
-    EtcdNotFound { looked: String },
-
-    /// The test kit's etcd did not come up.
-    #[error("etcd at {endpoint} did not start: {reason} (log: {log})")]
-    EtcdStart {
-        endpoint: String,
-        reason: String,
-        log: String,
-    },
-
     #[error("unknown segment {name:?}")]
     NoSuchSegment { name: String },
 
@@ -90,9 +68,6 @@ pub enum Error {
         addr: String,
         reason: String,
     },
-
-    #[error("local agent at {path}: {reason}")]
-    LocalAgent { path: String, reason: String },
 
     #[error("{context}: {source}")]
     Io {
@@ -135,25 +110,21 @@ impl Error {
         match self {
             Error::Engine(e) => e.code(),
             Error::Config { .. } => "config",
-            Error::Control { .. } => "bench_control",
-            Error::Verify { .. } => "verify",
             Error::UnknownSegment { .. } | Error::NoSuchSegment { .. } => "unknown_segment",
             Error::RegistryUnavailable { .. } => "registry_unavailable",
             Error::Registry { .. } => "registry",
             Error::RegistryAuth { .. } => "registry_auth",
-            Error::EtcdNotFound { .. } | Error::EtcdStart { .. } => "etcd",
             Error::SegmentExists { .. } => "segment_exists",
             Error::WrongKey { .. } => "wrong_key",
             Error::InvalidRequest { .. } => "invalid_request",
             Error::UnknownAgent { .. } => "unknown_agent",
             Error::PeerAgent { .. } => "peer_agent",
-            Error::LocalAgent { .. } => "local_agent",
             Error::Io { .. } => "io",
         }
     }
 
     /// Bad configuration exits 64 (EX_USAGE); everything else is a runtime failure.
-    pub fn exit_code(&self) -> i32 {
+    pub fn exit_code(&self) -> u8 {
         match self {
             Error::Config { .. } | Error::Engine(kvfabric_engine::Error::InvalidConfig { .. }) => {
                 64

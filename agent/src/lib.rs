@@ -1,17 +1,16 @@
-//! The kvfabric node agent and CLI.
+//! The kvfabric node agent: publishes itself and its workers' memory in the registry, serves the
+//! local API (workers) and the peer API (other agents), and moves batches through the engine.
+//! `serve` runs one from an [`AgentConfig`]; the `kvfabric` binary (crate `kvfabric-cli`)
+//! parses the flags and environment into one.
 
 pub mod allocator;
-pub mod bench;
-pub mod bytesize;
-pub mod cli;
-pub mod client;
+pub mod config;
 pub mod discovery;
 mod error;
 pub mod fd_socket;
 pub mod local_api;
 pub mod metrics;
 pub mod node;
-pub mod otlp_sink;
 pub mod peer_api;
 pub mod peer_link;
 pub mod peer_token;
@@ -21,6 +20,7 @@ pub mod server;
 pub mod shutdown;
 pub mod status;
 pub mod telemetry;
-pub mod testkit;
 
+pub use config::{AgentArgs, AgentConfig};
 pub use error::{Error, Result};
+pub use server::{Agent, Listeners};

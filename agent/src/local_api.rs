@@ -12,14 +12,14 @@ use tonic::{Request, Response, Status};
 use crate::error::Error;
 use crate::node::{Node, RegionSource, Transfer};
 use crate::registry::{Event, SegmentEntry};
-use crate::rpc::pb::local_agent_server::LocalAgent;
-use crate::rpc::pb::{
+use crate::status;
+use crate::telemetry;
+use kvfabric_proto::pb::local_agent_server::LocalAgent;
+use kvfabric_proto::pb::{
     self, DeregisterSegmentRequest, DeregisterSegmentResponse, RegionInfo, RegisterSegmentRequest,
     RegisterSegmentResponse, SegmentEvent, StatusRequest, StatusResponse, SubmitRequest,
     SubmitResponse, WatchSegmentsRequest, region_spec, segment_event,
 };
-use crate::status;
-use crate::telemetry;
 use tracing::{Instrument, field, info_span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -36,7 +36,7 @@ fn regions_of(entry: &SegmentEntry) -> Vec<RegionInfo> {
         .map(|(i, r)| RegionInfo {
             index: i as u32,
             len: r.len,
-            location: crate::cli::location_name(r.location),
+            location: crate::config::location_name(r.location),
         })
         .collect()
 }
@@ -126,7 +126,7 @@ impl LocalAgent for LocalApi {
                 .map(|(i, r)| RegionInfo {
                     index: i as u32,
                     len: r.len(),
-                    location: crate::cli::location_name(r.location()),
+                    location: crate::config::location_name(r.location()),
                 })
                 .collect(),
         }))

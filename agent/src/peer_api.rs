@@ -10,8 +10,8 @@ use tracing::{debug, warn};
 
 use crate::error::Error;
 use crate::node::Node;
-use crate::rpc::pb::peer_agent_server::PeerAgent;
-use crate::rpc::pb::{
+use kvfabric_proto::pb::peer_agent_server::PeerAgent;
+use kvfabric_proto::pb::{
     HandshakeRequest, HandshakeResponse, RdmaConnectRequest, RdmaConnectResponse,
 };
 

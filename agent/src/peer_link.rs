@@ -11,8 +11,8 @@ use tonic::transport::{Channel, Endpoint};
 use crate::error::{Error, Result};
 use crate::peer_token::PeerToken;
 use crate::registry::AgentEntry;
-use crate::rpc::pb::peer_agent_client::PeerAgentClient;
-use crate::rpc::pb::{HandshakeRequest, RdmaConnectRequest};
+use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
+use kvfabric_proto::pb::{HandshakeRequest, RdmaConnectRequest};
 
 fn failure(agent: &AgentEntry, reason: String) -> Error {
     Error::PeerAgent {

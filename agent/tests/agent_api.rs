@@ -2,42 +2,46 @@
 //! push by segment name over tcp and shm, and bad requests get typed gRPC statuses.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
-use kvfabric_agent::client::{Client, HostMemory, Op};
+use kvfabric_agent::AgentConfig;
 use kvfabric_agent::metrics::scrape;
+use kvfabric_agent::peer_token::PeerToken;
 use kvfabric_agent::registry::memory::{MemoryRegistry, MemoryStore};
-use kvfabric_agent::rpc::pb::{self, SubmitRequest};
-use kvfabric_agent::server::InProcessAgent;
 use kvfabric_agent::telemetry::Telemetry;
+use kvfabric_client::{Client, HostMemory, Op};
+use kvfabric_engine::TransportKind;
+use kvfabric_proto::pb::{self, SubmitRequest};
+use kvfabric_testkit::InProcessAgent;
 use rand::{RngCore, SeedableRng};
 use tonic::Code;
 
 struct TestAgent(InProcessAgent);
 
+fn transports(list: &str) -> Vec<TransportKind> {
+    list.split(',')
+        .map(|t| kvfabric_agent::config::parse_transport(t).unwrap())
+        .collect()
+}
+
 impl TestAgent {
-    async fn start(name: &str, transports: &str, store: &MemoryStore) -> TestAgent {
-        TestAgent::start_with(name, transports, store, &[]).await
+    async fn start(name: &str, list: &str, store: &MemoryStore) -> TestAgent {
+        TestAgent::start_with(name, list, store, |_| {}).await
     }
 
     async fn start_with(
         name: &str,
-        transports: &str,
+        list: &str,
         store: &MemoryStore,
-        extra: &[&str],
+        adjust: impl FnOnce(&mut AgentConfig),
     ) -> TestAgent {
-        let mut flags = vec![
-            "--fabric",
-            "test",
-            "--transports",
-            transports,
-            "--batch-timeout-ms",
-            "5000",
-            "--max-batch-ops",
-            "1000",
-        ];
-        flags.extend_from_slice(extra);
+        let mut config = InProcessAgent::config(name);
+        config.transports = transports(list);
+        config.batch_timeout = Duration::from_secs(5);
+        config.max_batch_ops = 1000;
+        adjust(&mut config);
         TestAgent(
-            InProcessAgent::start(name, store.registry(), Telemetry::default(), &flags)
+            InProcessAgent::start(config, store.registry(), Telemetry::default())
                 .await
                 .unwrap(),
         )
@@ -325,6 +329,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
         regions: vec![pb::RegionSpec {
             memory: Some(pb::region_spec::Memory::Cuda(pb::CudaMemory {
                 device: 0,
+                device_uuid: String::new(),
                 ipc_handle: vec![1, 2, 3],
                 offset: 0,
                 len: 4096,
@@ -407,10 +412,10 @@ async fn without_rdma_devices_the_link_falls_back_to_tcp_and_says_why() {
 /// an agent without a usable RDMA device answers FAILED_PRECONDITION saying so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rdma_connect_refuses_with_typed_statuses() {
-    use kvfabric_agent::rpc::pb::RdmaConnectRequest;
-    use kvfabric_agent::rpc::pb::peer_agent_client::PeerAgentClient;
     use kvfabric_engine::ConnectInfo;
     use kvfabric_engine::rdma::{LinkLayer, Mtu, QpInfo};
+    use kvfabric_proto::pb::RdmaConnectRequest;
+    use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
 
     let store = MemoryStore::new();
     let a = TestAgent::start("node-a", "rdma,tcp", &store).await;
@@ -465,20 +470,18 @@ async fn rdma_connect_refuses_with_typed_statuses() {
 /// a reason and the refusing agent keeps serving, and a bare gRPC caller learns nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_peer_api_admits_only_callers_with_the_fabric_token() {
-    use kvfabric_agent::rpc::pb::HandshakeRequest;
-    use kvfabric_agent::rpc::pb::peer_agent_client::PeerAgentClient;
+    use kvfabric_proto::pb::HandshakeRequest;
+    use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
 
     const TOKEN: &str = "fabric-token-0123456789";
     let store = MemoryStore::new();
-    let a = TestAgent::start_with("node-a", "tcp", &store, &["--peer-token", TOKEN]).await;
-    let b = TestAgent::start_with("node-b", "tcp", &store, &["--peer-token", TOKEN]).await;
-    let c = TestAgent::start_with(
-        "node-c",
-        "tcp",
-        &store,
-        &["--peer-token", "some-other-token-987"],
-    )
-    .await;
+    let token = |t: &str| {
+        let t: PeerToken = t.parse().unwrap();
+        move |c: &mut AgentConfig| c.peer_token = Some(t)
+    };
+    let a = TestAgent::start_with("node-a", "tcp", &store, token(TOKEN)).await;
+    let b = TestAgent::start_with("node-b", "tcp", &store, token(TOKEN)).await;
+    let c = TestAgent::start_with("node-c", "tcp", &store, token("some-other-token-987")).await;
     let prefill = Client::connect(a.socket_dir()).await.unwrap();
     let block = 4096;
     let src = random(64 * block, 3);

@@ -7,13 +7,12 @@ use std::time::{Duration, Instant};
 
 use kvfabric_agent::Error;
 use kvfabric_agent::discovery::Devices;
-use kvfabric_agent::registry::bench::{self, RegistryBenchConfig};
 use kvfabric_agent::registry::{
     AgentEntry, EtcdConfig, EtcdRegistry, EtcdTls, Event, MemoryStore, Registry, SegmentEntry,
     SegmentRegion,
 };
-use kvfabric_agent::testkit::EtcdServer;
 use kvfabric_engine::{Location, RegionId};
+use kvfabric_testkit::EtcdServer;
 use tokio::sync::broadcast;
 
 /// Short leases keep the fault tests fast.
@@ -48,7 +47,7 @@ fn segment(name: &str, agent: &str) -> SegmentEntry {
 async fn etcd() -> Option<EtcdServer> {
     match EtcdServer::start().await {
         Ok(etcd) => Some(etcd),
-        Err(e @ Error::EtcdNotFound { .. }) => {
+        Err(e @ kvfabric_testkit::Error::EtcdNotFound { .. }) => {
             eprintln!("skipped: no etcd binary ({e})");
             None
         }
@@ -295,7 +294,7 @@ async fn etcd_outage_keeps_lookups_answering_and_reregisters_after_restart() {
     let mut client = etcd.client().await.unwrap();
     let resp = client
         .get(
-            "/kvfabric/f/",
+            "/kvfabric/default/f/",
             Some(etcd_client::GetOptions::new().with_prefix()),
         )
         .await
@@ -424,8 +423,12 @@ async fn etcd_credentials_are_checked() {
 async fn etcd_over_tls_with_a_client_certificate() {
     let etcd = match EtcdServer::start_tls().await {
         Ok(etcd) => etcd,
-        Err(e @ Error::EtcdNotFound { .. }) => return eprintln!("skipped: no etcd binary ({e})"),
-        Err(Error::Io { context, source }) if context.starts_with("run openssl") => {
+        Err(e @ kvfabric_testkit::Error::EtcdNotFound { .. }) => {
+            return eprintln!("skipped: no etcd binary ({e})");
+        }
+        Err(kvfabric_testkit::Error::Io { context, source })
+            if context.starts_with("run openssl") =>
+        {
             return eprintln!("skipped: no openssl command ({source})");
         }
         Err(e) => panic!("etcd with TLS did not start: {e}"),
@@ -467,9 +470,12 @@ async fn etcd_over_tls_with_a_client_certificate() {
 
 #[tokio::test]
 async fn etcd_server_start_on_an_explicit_ip_and_kill() {
-    let Ok(mut etcd) = EtcdServer::start_on("127.0.0.1".parse().unwrap()).await else {
-        eprintln!("skipped: no etcd binary");
-        return;
+    let mut etcd = match EtcdServer::start_on("127.0.0.1".parse().unwrap()).await {
+        Ok(etcd) => etcd,
+        Err(e @ kvfabric_testkit::Error::EtcdNotFound { .. }) => {
+            return eprintln!("skipped: no etcd binary ({e})");
+        }
+        Err(e) => panic!("etcd did not start: {e}"),
     };
     assert!(etcd.endpoint().starts_with("http://127.0.0.1:"));
     assert!(etcd.is_running());
@@ -477,63 +483,6 @@ async fn etcd_server_start_on_an_explicit_ip_and_kill() {
     assert!(!etcd.is_running());
     etcd.start_again().await.unwrap();
     assert!(etcd.is_running());
-}
-
-#[tokio::test]
-async fn registry_bench_at_tiny_scale() {
-    let Some(etcd) = etcd().await else { return };
-    let report = bench::run(RegistryBenchConfig {
-        endpoint: etcd.endpoint(),
-        agents: 10,
-        segments: 50,
-        watchers: 2,
-        new_segments: 20,
-        lookups_per_watcher: 1000,
-        clients: 2,
-        concurrency: 8,
-        ..RegistryBenchConfig::default()
-    })
-    .await
-    .unwrap();
-    println!("{}", serde_json::to_string_pretty(&report).unwrap());
-    assert_eq!(report.lookup.count, 2000);
-    assert_eq!(report.lookup_misses, 0);
-    assert_eq!(report.visibility.count, 40);
-    assert_eq!(report.not_seen, 0);
-    // Everything the run wrote went with its leases.
-    let mut client = etcd.client().await.unwrap();
-    let prefix = format!("/kvfabric/{}/", report.fabric);
-    let left = client
-        .get(
-            prefix,
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_count_only(),
-            ),
-        )
-        .await
-        .unwrap();
-    assert_eq!(left.count(), 0);
-}
-
-/// The full-scale run (1000 agents, 10 000 segments, 8 watchers); slow, so on request:
-/// `cargo test -p kvfabric-agent --release --test registry -- --ignored --nocapture`.
-#[tokio::test(flavor = "multi_thread")]
-#[ignore = "full scale: minutes"]
-async fn registry_bench_full_scale() {
-    let Some(etcd) = etcd().await else { return };
-    let started = Instant::now();
-    let report = bench::run(RegistryBenchConfig {
-        endpoint: etcd.endpoint(),
-        ..RegistryBenchConfig::default()
-    })
-    .await
-    .unwrap();
-    println!("{}", serde_json::to_string_pretty(&report).unwrap());
-    println!("full-scale run took {:?}", started.elapsed());
-    assert_eq!(report.lookup_misses, 0);
-    assert_eq!(report.not_seen, 0);
 }
 
 /// Both backends are usable as the agent's shared registry.

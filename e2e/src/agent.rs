@@ -1,12 +1,9 @@
 //! `kvfabric agent` as a child process, optionally inside a network namespace.
 
 use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-
-use serde::Deserialize;
 
 use crate::net::Host;
 
@@ -23,27 +20,23 @@ pub fn kvfabric_bin() -> PathBuf {
             .expect("target profile dir")
             .to_path_buf();
         let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-        cargo.args(["build", "-q", "-p", "kvfabric-agent", "--bin", "kvfabric"]);
+        cargo.args(["build", "-q", "-p", "kvfabric-cli", "--bin", "kvfabric"]);
         if profile_dir.ends_with("release") {
             cargo.arg("--release");
         }
         let bin = profile_dir.join("kvfabric");
-        let built = cargo.status().map(|s| s.success()).unwrap_or(false);
-        assert!(built || bin.exists(), "could not build {}", bin.display());
+        // A failed build must fail the tests: an older binary left in target/ would test code
+        // that is not this tree's.
+        let status = cargo
+            .status()
+            .expect("run cargo to build the kvfabric binary");
+        assert!(status.success(), "could not build {}", bin.display());
         bin
     })
     .clone()
 }
 
-#[derive(Debug, Deserialize)]
-pub struct Ready {
-    pub agent: String,
-    pub peer: SocketAddr,
-    pub metrics: SocketAddr,
-    pub data: SocketAddr,
-    pub socket_dir: PathBuf,
-    pub registry: String,
-}
+pub use kvfabric_proto::ready::Ready;
 
 #[derive(Debug)]
 pub struct AgentProcess {

@@ -1,7 +1,7 @@
 //! Emulated prefill and decode workers: random KV blocks in registered host memory, and checks of
 //! what arrived.
 
-use kvfabric_agent::client::{HostMemory, Op};
+use kvfabric_client::{HostMemory, Op};
 use rand::{RngCore, SeedableRng};
 
 /// `len` bytes of seeded random data in memory an agent can adopt.

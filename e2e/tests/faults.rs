@@ -6,16 +6,16 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{BLOCK, TTL_SECS, etcd_on, prefill_and_decode, sees, within};
-use kvfabric_agent::client::{Client, SubmitOptions};
-use kvfabric_agent::rpc::pb::Opcode;
+use kvfabric_client::{Client, SubmitOptions};
 use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
 use kvfabric_e2e::{AgentProcess, Network};
+use kvfabric_proto::pb::Opcode;
 
 const TIMEOUT_MS: u64 = 2_000;
 
 struct Pair {
     net: Network,
-    etcd: kvfabric_agent::testkit::EtcdServer,
+    etcd: kvfabric_testkit::EtcdServer,
     a: AgentProcess,
     b: AgentProcess,
     prefill: Client,
@@ -102,7 +102,7 @@ async fn all_keys_back(kv: &etcd_client::Client, what: &str) -> Duration {
             let keys = etcd_client::GetOptions::new()
                 .with_prefix()
                 .with_keys_only();
-            kv.get("/kvfabric/e2e/", Some(keys))
+            kv.get("/kvfabric/default/e2e/", Some(keys))
                 .await
                 .is_ok_and(|r| r.kvs().len() == 4)
         }
@@ -203,7 +203,7 @@ async fn a_cut_link_fails_batches_then_recovers_when_restored() {
     p.net.set_link(0, false).unwrap();
     let options = SubmitOptions {
         timeout: Some(Duration::from_millis(1_000)),
-        checksum: false,
+        ..SubmitOptions::default()
     };
     let start = Instant::now();
     let err = p

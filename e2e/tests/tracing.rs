@@ -10,10 +10,10 @@ use std::time::Duration;
 use common::{BLOCK, etcd_on, prefill_and_decode, sees, within};
 
 use kvfabric_agent::metrics::scrape;
-use kvfabric_agent::otlp_sink::{Receiver, Span};
 use kvfabric_agent::telemetry::{self, TraceConfig};
 use kvfabric_e2e::Network;
 use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
+use kvfabric_testkit::otlp::{Receiver, Span};
 use tracing::Instrument;
 
 const FAST_EXPORT: [(&str, &str); 1] = [("OTEL_BSP_SCHEDULE_DELAY", "100")];

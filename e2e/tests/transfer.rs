@@ -7,11 +7,11 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{BLOCK, TTL_SECS, etcd_on, sees, within};
-use kvfabric_agent::client::{Client, Op};
-use kvfabric_agent::rpc::pb::HandshakeRequest;
-use kvfabric_agent::rpc::pb::peer_agent_client::PeerAgentClient;
+use kvfabric_client::{Client, Op};
 use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
 use kvfabric_e2e::{AgentProcess, Network, kvfabric_bin};
+use kvfabric_proto::pb::HandshakeRequest;
+use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
 use tonic::Code;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,7 +97,7 @@ async fn decode_pulls_prefill_blocks_across_namespaces_through_etcd() {
     let mut kv = etcd.client().await.unwrap();
     let left = kv
         .get(
-            "/kvfabric/e2e/",
+            "/kvfabric/default/e2e/",
             Some(etcd_client::GetOptions::new().with_prefix()),
         )
         .await

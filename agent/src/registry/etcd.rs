@@ -1,6 +1,7 @@
 //! The production registry: etcd, with a lease per agent and a watch-fed local cache.
 //!
-//! Keys: `<prefix>/<fabric>/agents/<name>` and `<prefix>/<fabric>/segments/<name>`, JSON values,
+//! Keys: `<root>/agents/<name>` and `<root>/segments/<name>` under the fabric's root
+//! `<prefix>/<namespace>/<fabric>` (`kvfabric_proto::contract::registry_root`), JSON values,
 //! every key this agent writes bound to its lease.
 //!
 //! Two background tasks run per [`EtcdRegistry`]:
@@ -11,7 +12,7 @@
 //!   "lease not found". It then grants a new lease (retrying with backoff while etcd is down),
 //!   re-puts every key this agent owns under it, revokes the old lease (best effort) and counts
 //!   a re-registration.
-//! - the **watcher** reads everything under `<prefix>/<fabric>/` once, then watches from the
+//! - the **watcher** reads everything under `<root>/` once, then watches from the
 //!   next revision. Each change updates the cache and is broadcast. On a watch error,
 //!   cancellation or compaction it re-reads everything (a resync, broadcast as
 //!   [`Event::Resynced`]) and watches again. Lookups only ever read the cache.
@@ -99,7 +100,7 @@ impl EtcdTls {
     }
 
     /// Reads the files (blocking: call off the async threads).
-    pub(crate) fn options(&self) -> Result<TlsOptions> {
+    pub fn options(&self) -> Result<TlsOptions> {
         let read = |field: &'static str, path: &Path| {
             std::fs::read(path).map_err(|e| Error::config(field, path.display(), e.to_string()))
         };
@@ -145,7 +146,9 @@ pub struct EtcdConfig {
     pub endpoints: Vec<String>,
     /// Key prefix, default `/kvfabric`.
     pub prefix: String,
-    /// Fabric name: the second level of every key.
+    /// The fabric's namespace: the second level of every key.
+    pub namespace: String,
+    /// Fabric name: the third level of every key.
     pub fabric: String,
     /// Lease time-to-live, default 10 s (whole seconds; etcd may raise very short ones). An
     /// agent that dies disappears from other agents' caches about one TTL later.
@@ -158,7 +161,7 @@ pub struct EtcdConfig {
 }
 
 impl EtcdConfig {
-    pub const DEFAULT_PREFIX: &'static str = "/kvfabric";
+    pub const DEFAULT_PREFIX: &'static str = kvfabric_proto::contract::DEFAULT_KEY_PREFIX;
     pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -169,6 +172,7 @@ impl EtcdConfig {
         EtcdConfig {
             endpoints: endpoints.into_iter().map(Into::into).collect(),
             prefix: Self::DEFAULT_PREFIX.into(),
+            namespace: kvfabric_proto::contract::DEFAULT_NAMESPACE.into(),
             fabric: fabric.into(),
             lease_ttl: Self::DEFAULT_LEASE_TTL,
             tls: None,
@@ -177,12 +181,12 @@ impl EtcdConfig {
         }
     }
 
-    /// `<prefix>/<fabric>/`
+    /// `<prefix>/<namespace>/<fabric>/` (`kvfabric_proto::contract::registry_root`).
     pub fn root(&self) -> String {
-        format!("{}/{}/", self.prefix.trim_end_matches('/'), self.fabric)
+        kvfabric_proto::contract::registry_root(&self.prefix, &self.namespace, &self.fabric) + "/"
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.endpoints.is_empty() {
             return Err(Error::config("etcd.endpoints", "", "at least one endpoint"));
         }
@@ -196,12 +200,14 @@ impl EtcdConfig {
             }
         }
         check_name("etcd.fabric", &self.fabric)?;
-        if self.fabric.contains('/') {
-            return Err(Error::config(
-                "etcd.fabric",
-                &self.fabric,
-                "must not contain '/'",
-            ));
+        check_name("etcd.namespace", &self.namespace)?;
+        for (field, value) in [
+            ("etcd.fabric", &self.fabric),
+            ("etcd.namespace", &self.namespace),
+        ] {
+            if value.contains('/') {
+                return Err(Error::config(field, value, "must not contain '/'"));
+            }
         }
         if !self.prefix.starts_with('/') {
             return Err(Error::config(
@@ -233,7 +239,7 @@ impl EtcdConfig {
 
     /// Builds the etcd client (reads TLS files off the async threads). Only connects when
     /// credentials are given (to authenticate); otherwise the first request connects.
-    pub(crate) async fn client(&self) -> Result<Client> {
+    pub async fn client(&self) -> Result<Client> {
         self.validate()?;
         let mut options = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
@@ -276,6 +282,7 @@ impl fmt::Debug for EtcdConfig {
         f.debug_struct("EtcdConfig")
             .field("endpoints", &self.endpoints)
             .field("prefix", &self.prefix)
+            .field("namespace", &self.namespace)
             .field("fabric", &self.fabric)
             .field("lease_ttl", &self.lease_ttl)
             .field("tls", &self.tls)
@@ -372,7 +379,7 @@ impl EtcdRegistry {
     /// [`EtcdRegistry::connect`] on an existing client (several registries may share one).
     /// Without `watch`, the cache stays empty and no events are sent: a write-only agent, as
     /// the registry benchmark simulates them by the thousand.
-    pub(crate) async fn start(client: Client, cfg: &EtcdConfig, watch: bool) -> Result<Arc<Self>> {
+    pub async fn start(client: Client, cfg: &EtcdConfig, watch: bool) -> Result<Arc<Self>> {
         cfg.validate()?;
         let (events, _) = broadcast::channel(EVENT_CAPACITY);
         let inner = Arc::new(Inner {
@@ -1249,7 +1256,7 @@ mod tests {
     #[test]
     fn config_is_checked() {
         let cfg = EtcdConfig::new(["http://127.0.0.1:2379"], "f");
-        assert_eq!(cfg.root(), "/kvfabric/f/");
+        assert_eq!(cfg.root(), "/kvfabric/default/f/");
         assert!(cfg.validate().is_ok());
         let mut bad = cfg.clone();
         bad.fabric = "a/b".into();

@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -15,32 +14,15 @@ use kvfabric_engine::{Location, RegionId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
-use crate::discovery::Devices;
 use crate::error::{Error, Result};
+pub use kvfabric_proto::entry::AgentEntry;
+pub use kvfabric_proto::status::RegistryState;
 
-pub mod bench;
 pub mod etcd;
 pub mod memory;
 
 pub use etcd::{EtcdConfig, EtcdRegistry, EtcdTls};
 pub use memory::{MemoryRegistry, MemoryStore};
-
-/// What an agent publishes about itself.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AgentEntry {
-    /// Unique in the fabric (default: the node name).
-    pub name: String,
-    /// Pool this agent serves (`prefill`, `decode`, ...).
-    pub pool: String,
-    /// Machine identity (kernel boot id): same node ⇔ same value.
-    pub node: String,
-    /// Peer gRPC API (handshake, descriptors) of this agent.
-    pub peer_addr: SocketAddr,
-    /// GPUs, RDMA devices, NUMA nodes and addresses found at start.
-    pub devices: Devices,
-    /// Unix seconds when this agent started (tells a restart from a re-registration).
-    pub started_at: u64,
-}
 
 /// One region of a published segment. Keys are never published: whoever may read a segment gets
 /// its key from the segment's owner, out of band.
@@ -71,28 +53,6 @@ pub enum Event {
     /// The watch had to start over (compaction, reconnect): the cache was rebuilt from a full
     /// read, and incremental events may have been skipped.
     Resynced,
-}
-
-/// Health of the registry connection, for `kvfabric status` and metrics.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RegistryState {
-    /// `memory` or `etcd`.
-    pub backend: String,
-    /// etcd endpoints (empty for memory).
-    pub endpoints: Vec<String>,
-    /// The registry answered the last request or keepalive.
-    pub connected: bool,
-    /// Current lease (0 for memory).
-    pub lease_id: i64,
-    pub lease_ttl_secs: u64,
-    /// Times the lease was lost and everything re-registered under a new one.
-    pub reregistrations: u64,
-    /// Times the watch was restarted from a full read.
-    pub resyncs: u64,
-    pub agents: usize,
-    pub segments: usize,
-    /// The last error talking to the registry, if any since the last success.
-    pub last_error: Option<String>,
 }
 
 /// Agents and segments of one fabric.

@@ -3,9 +3,9 @@
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use kvfabric_agent::client::Client;
-use kvfabric_agent::testkit::EtcdServer;
+use kvfabric_client::Client;
 use kvfabric_e2e::{AgentProcess, Network};
+use kvfabric_testkit::EtcdServer;
 
 pub const TTL_SECS: u64 = 3;
 pub const BLOCK: u64 = 32 << 10;

@@ -102,9 +102,26 @@ impl FromStr for CudaPath {
 pub struct CudaDeviceInfo {
     pub ordinal: u32,
     pub name: String,
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi and `CUDA_VISIBLE_DEVICES` name it:
+    /// the same in every process, whichever devices each one sees.
+    pub uuid: String,
     /// As the driver writes it, e.g. `00000000:3B:00.0`.
     pub pci_bus_id: String,
     pub memory_bytes: u64,
+}
+
+/// A device UUID's 16 bytes in nvidia-smi's form.
+pub fn uuid_name(b: &[u8; 16]) -> String {
+    let hex =
+        |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        hex(0..4),
+        hex(4..6),
+        hex(6..8),
+        hex(8..10),
+        hex(10..16)
+    )
 }
 
 /// What `verify` found in a device pool.
@@ -202,6 +219,12 @@ mod stub {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn uuids_read_as_nvidia_smi_prints_them() {
+        let b: [u8; 16] = std::array::from_fn(|i| (i as u8) * 17);
+        assert_eq!(uuid_name(&b), "GPU-00112233-4455-6677-8899-aabbccddeeff");
+    }
 
     #[test]
     fn auto_takes_the_copy_engines_only_for_large_mean_copies() {

@@ -1,0 +1,450 @@
+//! `kvfabric agent`'s configuration: flags, each with the environment variable the operator
+//! sets (`kvfabric_proto::contract::env`), validated once into an [`AgentConfig`]. Bad
+//! configuration is refused here, before anything binds (the binary exits 64).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use kvfabric_engine::rdma::{DeviceFilter, GidChoice};
+use kvfabric_engine::{CudaPath, Location, TransportKind};
+use kvfabric_proto::contract::{DEFAULT_KEY_PREFIX, DEFAULT_NAMESPACE, env, socket};
+use kvfabric_proto::limits::DEFAULT_MAX_BATCH_OPS;
+
+use crate::error::{Error, Result};
+use crate::node::check_segment_name;
+use crate::peer_token::PeerToken;
+use crate::registry::etcd::{EtcdConfig, EtcdTls};
+use crate::telemetry::TraceConfig;
+
+/// `kvfabric agent`. Every flag reads the environment variable the operator's DaemonSet and
+/// ConfigMap set (see docs/operator.md).
+#[derive(Debug, Clone, Args)]
+pub struct AgentArgs {
+    /// The TransferFabric this agent belongs to.
+    #[arg(long, env = env::FABRIC, default_value = "default")]
+    pub fabric: String,
+
+    /// The fabric's Kubernetes namespace: part of the registry prefix, so same-named fabrics of
+    /// two namespaces never share keys.
+    #[arg(long, env = env::NAMESPACE, default_value = DEFAULT_NAMESPACE)]
+    pub namespace: String,
+
+    /// Pool this agent serves.
+    #[arg(long, env = env::POOL, default_value = "default")]
+    pub pool: String,
+
+    /// Agent name, unique in the fabric (default: $NODE_NAME, else the host name).
+    #[arg(long, env = env::AGENT_NAME)]
+    pub name: Option<String>,
+
+    /// etcd endpoints (comma-separated). None: an in-memory registry (this agent alone).
+    #[arg(long, env = env::ETCD_ENDPOINTS, value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+
+    #[arg(long, env = env::ETCD_KEY_PREFIX, default_value = DEFAULT_KEY_PREFIX)]
+    pub etcd_key_prefix: String,
+
+    #[arg(long, env = env::ETCD_USERNAME)]
+    pub etcd_username: Option<String>,
+
+    #[arg(long, env = env::ETCD_PASSWORD, hide_env_values = true)]
+    pub etcd_password: Option<String>,
+
+    /// Shared secret of this fabric's agents (at least 16 printable ASCII characters): sent
+    /// to other agents' peer API and required of its callers, since that API hands out region
+    /// keys. Set it from a Secret (the operator does: `spec.peerTokenSecret`).
+    #[arg(long, env = env::PEER_TOKEN, hide_env_values = true)]
+    pub peer_token: Option<String>,
+
+    /// Directory with ca.crt (and tls.crt + tls.key for a client certificate).
+    #[arg(long, env = env::ETCD_TLS_DIR)]
+    pub etcd_tls_dir: Option<PathBuf>,
+
+    /// Registry lease TTL: a dead agent's entries vanish this long after its last keepalive.
+    #[arg(long, env = env::LEASE_TTL_SECS, default_value_t = 10)]
+    pub lease_ttl_secs: u64,
+
+    /// Directory of the local API socket (agent.sock), its fd socket (agent.fd.sock) and the
+    /// shm data socket (shm.sock); workers mount it.
+    #[arg(long, env = env::SOCKET_DIR, default_value = socket::DEFAULT_DIR)]
+    pub socket_dir: PathBuf,
+
+    /// Group that owns the sockets (a numeric gid): workers in it may connect. Default: the
+    /// agent's own group.
+    #[arg(long, env = env::SOCKET_GROUP)]
+    pub socket_group: Option<u32>,
+
+    /// Permissions of the sockets, octal. Connecting needs write permission, so 0660 admits
+    /// the owner and `--socket-group`.
+    #[arg(long, env = env::SOCKET_MODE, default_value = "0660", value_parser = parse_mode)]
+    pub socket_mode: u32,
+
+    /// Peer API (gRPC) listen address.
+    #[arg(long, env = env::GRPC_ADDR, default_value = "0.0.0.0:50051")]
+    pub grpc_addr: SocketAddr,
+
+    /// tcp data plane listen address.
+    #[arg(long, env = env::DATA_ADDR, default_value = "0.0.0.0:50052")]
+    pub data_addr: SocketAddr,
+
+    /// Address other agents reach this one at (default: $POD_IP, else the listen address, else
+    /// the first non-loopback address).
+    #[arg(long, env = env::ADVERTISE_ADDR)]
+    pub advertise_addr: Option<IpAddr>,
+
+    /// Transports this agent may use, in order of preference.
+    #[arg(
+        long,
+        env = env::TRANSPORTS,
+        value_delimiter = ',',
+        value_parser = parse_transport,
+        default_value = "cuda-ipc,shm,rdma,tcp"
+    )]
+    pub transports: Vec<TransportKind>,
+
+    /// TCP data connections per peer agent.
+    #[arg(long, env = env::TCP_CONNECTIONS, default_value_t = 4)]
+    pub tcp_connections: usize,
+
+    /// RDMA devices (and ports) the agent may use: `mlx5_0,mlx5_1:1`, `^mlx5_2` excludes (empty:
+    /// every device allocated to the pod).
+    #[arg(long, env = env::RDMA_DEVICES, default_value = "", value_parser = parse_rdma_devices)]
+    pub rdma_devices: DeviceFilter,
+
+    /// GID table index every RDMA port sends from (`auto`: RoCE v2 with IPv4 first).
+    #[arg(long, env = env::RDMA_GID_INDEX, default_value = "auto", value_parser = parse_gid_index)]
+    pub rdma_gid_index: GidChoice,
+
+    /// RC QPs per peer agent on each RDMA NIC.
+    #[arg(long, env = env::RDMA_QPS_PER_PEER, default_value_t = 2)]
+    pub rdma_qps_per_peer: usize,
+
+    /// Default time one batch may take.
+    #[arg(long, env = env::BATCH_TIMEOUT_MS, default_value_t = 30_000)]
+    pub batch_timeout_ms: u64,
+
+    /// Most block ops in one submitted batch.
+    #[arg(long, env = env::MAX_BATCH_OPS, default_value_t = DEFAULT_MAX_BATCH_OPS)]
+    pub max_batch_ops: usize,
+
+    /// How cuda-ipc moves a batch between GPUs of this node: sm (one kernel), ce (copy
+    /// engines, no SMs), or auto (ce for a batch between two GPUs whose copies average 1 MiB
+    /// or more, else sm).
+    #[arg(long, env = env::CUDA_PATH, default_value = "auto")]
+    pub cuda_path: CudaPath,
+
+    /// How long dialling another agent may take.
+    #[arg(long, env = env::CONNECT_TIMEOUT_MS, default_value_t = 3_000)]
+    pub connect_timeout_ms: u64,
+
+    /// Prometheus metrics (`/metrics`) and `/healthz` listen address.
+    #[arg(long, env = env::METRICS_ADDR, default_value = "0.0.0.0:9090")]
+    pub metrics_addr: SocketAddr,
+
+    /// OTLP gRPC collector for traces (OTEL_EXPORTER_OTLP_ENDPOINT, when set, wins). None: no
+    /// trace export.
+    #[arg(long, env = env::OTLP_ENDPOINT)]
+    pub otlp_endpoint: Option<String>,
+
+    /// Share of traces kept, 0..=1 (OTEL_TRACES_SAMPLER, when set, wins).
+    #[arg(long, env = env::TRACE_SAMPLE_RATIO, value_parser = parse_ratio)]
+    pub trace_sample_ratio: Option<f64>,
+
+    /// After SIGTERM, how long in-flight transfers may take to finish.
+    #[arg(long, env = env::GRACE_SECS, default_value_t = 10)]
+    pub grace_secs: u64,
+}
+
+/// A validated agent configuration: what `serve` runs. Tests build one with [`AgentConfig::local`]
+/// and change fields, rather than writing command lines.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Unique in the fabric.
+    pub name: String,
+    pub fabric: String,
+    pub namespace: String,
+    pub pool: String,
+    /// None: an in-memory registry (this agent alone, or agents of one process sharing a store).
+    pub etcd: Option<EtcdConfig>,
+    pub peer_token: Option<PeerToken>,
+    pub socket_dir: PathBuf,
+    pub socket_group: Option<u32>,
+    pub socket_mode: u32,
+    pub grpc_addr: SocketAddr,
+    pub data_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    /// None: `$POD_IP`, else the listen address, else the first non-loopback address.
+    pub advertise_addr: Option<IpAddr>,
+    pub transports: Vec<TransportKind>,
+    pub tcp_connections: usize,
+    pub rdma_devices: DeviceFilter,
+    pub rdma_gid_index: GidChoice,
+    pub rdma_qps_per_peer: usize,
+    pub batch_timeout: Duration,
+    pub max_batch_ops: usize,
+    pub cuda_path: CudaPath,
+    pub connect_timeout: Duration,
+    pub trace: TraceConfig,
+    pub grace: Duration,
+}
+
+impl AgentArgs {
+    /// Checks every setting and resolves defaults that depend on the environment (the name from
+    /// `$NODE_NAME`, trace settings from `OTEL_*`).
+    pub fn validate(self) -> Result<AgentConfig> {
+        if self.transports.is_empty() {
+            return Err(Error::config("transports", "", "name at least one"));
+        }
+        if self.lease_ttl_secs < 2 {
+            return Err(Error::config(
+                "lease-ttl-secs",
+                self.lease_ttl_secs,
+                "must be at least 2",
+            ));
+        }
+        if self.max_batch_ops == 0 {
+            return Err(Error::config("max-batch-ops", 0, "must be positive"));
+        }
+        if self.tcp_connections == 0 {
+            return Err(Error::config("tcp-connections", 0, "must be positive"));
+        }
+        for (field, ms) in [
+            ("batch-timeout-ms", self.batch_timeout_ms),
+            ("connect-timeout-ms", self.connect_timeout_ms),
+        ] {
+            if ms == 0 {
+                return Err(Error::config(field, 0, "must be positive"));
+            }
+        }
+        let name = self.name.clone().unwrap_or_else(default_name);
+        check_segment_name(&name)
+            .map_err(|_| Error::config("name", &name, "1..=253 of [A-Za-z0-9-_.:]"))?;
+        check_dns_label("fabric", &self.fabric)?;
+        check_dns_label("namespace", &self.namespace)?;
+        // Parsed here rather than by clap, whose message would echo the secret.
+        let peer_token = self
+            .peer_token
+            .as_deref()
+            .map(|t| {
+                t.parse::<PeerToken>()
+                    .map_err(|reason| Error::config("peer-token", "(hidden)", reason))
+            })
+            .transpose()?;
+        let etcd = if self.etcd_endpoints.is_empty() {
+            None
+        } else {
+            let mut config = EtcdConfig::new(self.etcd_endpoints.clone(), self.fabric.clone());
+            config.namespace = self.namespace.clone();
+            config.prefix = self.etcd_key_prefix.clone();
+            config.lease_ttl = Duration::from_secs(self.lease_ttl_secs);
+            config.tls = self
+                .etcd_tls_dir
+                .as_deref()
+                .map(EtcdTls::from_dir)
+                .transpose()?;
+            config.auth = match (self.etcd_username, self.etcd_password) {
+                (Some(u), Some(p)) => Some((u, p)),
+                (None, None) => None,
+                _ => {
+                    return Err(Error::config(
+                        "etcd-username/etcd-password",
+                        "(one of them)",
+                        "set both or neither",
+                    ));
+                }
+            };
+            config.validate()?;
+            Some(config)
+        };
+        Ok(AgentConfig {
+            name,
+            fabric: self.fabric,
+            namespace: self.namespace,
+            pool: self.pool,
+            etcd,
+            peer_token,
+            socket_dir: self.socket_dir,
+            socket_group: self.socket_group,
+            socket_mode: self.socket_mode,
+            grpc_addr: self.grpc_addr,
+            data_addr: self.data_addr,
+            metrics_addr: self.metrics_addr,
+            advertise_addr: self.advertise_addr,
+            transports: self.transports,
+            tcp_connections: self.tcp_connections,
+            rdma_devices: self.rdma_devices,
+            rdma_gid_index: self.rdma_gid_index,
+            rdma_qps_per_peer: self.rdma_qps_per_peer,
+            batch_timeout: Duration::from_millis(self.batch_timeout_ms),
+            max_batch_ops: self.max_batch_ops,
+            cuda_path: self.cuda_path,
+            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+            trace: TraceConfig::resolve(self.otlp_endpoint, self.trace_sample_ratio),
+            grace: Duration::from_secs(self.grace_secs),
+        })
+    }
+}
+
+impl AgentConfig {
+    /// What the configuration resolved to, as `kvfabric agent --check-config` prints it (no
+    /// secrets: only whether a peer token and etcd credentials are set).
+    pub fn summary(&self) -> serde_json::Value {
+        serde_json::json!({
+            "name": self.name,
+            "fabric": self.fabric,
+            "namespace": self.namespace,
+            "pool": self.pool,
+            "registry": self.etcd.as_ref().map_or_else(
+                || serde_json::json!({ "backend": "memory" }),
+                |e| serde_json::json!({
+                    "backend": "etcd",
+                    "endpoints": e.endpoints,
+                    "root": e.root(),
+                    "tls": e.tls.is_some(),
+                    "auth": e.auth.is_some(),
+                    "lease_ttl_secs": e.lease_ttl.as_secs(),
+                }),
+            ),
+            "peer_token": self.peer_token.is_some(),
+            "socket_dir": self.socket_dir,
+            "socket_group": self.socket_group,
+            "socket_mode": format!("{:o}", self.socket_mode),
+            "grpc_addr": self.grpc_addr,
+            "data_addr": self.data_addr,
+            "metrics_addr": self.metrics_addr,
+            "advertise_addr": self.advertise_addr,
+            "transports": self.transports.iter().map(|t| t.to_string()).collect::<Vec<_>>(),
+            "tcp_connections": self.tcp_connections,
+            "batch_timeout_ms": self.batch_timeout.as_millis() as u64,
+            "max_batch_ops": self.max_batch_ops,
+            "connect_timeout_ms": self.connect_timeout.as_millis() as u64,
+            "otlp_endpoint": self.trace.endpoint,
+            "grace_secs": self.grace.as_secs(),
+        })
+    }
+
+    /// An agent of fabric `test` on loopback ports chosen by the kernel, with the in-memory
+    /// registry and every transport but RDMA; sockets in `socket_dir`.
+    pub fn local(name: &str, socket_dir: impl Into<PathBuf>) -> AgentConfig {
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        AgentConfig {
+            name: name.into(),
+            fabric: "test".into(),
+            namespace: DEFAULT_NAMESPACE.into(),
+            pool: "default".into(),
+            etcd: None,
+            peer_token: None,
+            socket_dir: socket_dir.into(),
+            socket_group: None,
+            socket_mode: 0o660,
+            grpc_addr: any,
+            data_addr: any,
+            metrics_addr: any,
+            advertise_addr: None,
+            transports: vec![
+                TransportKind::CudaIpc,
+                TransportKind::Shm,
+                TransportKind::Tcp,
+            ],
+            tcp_connections: 4,
+            rdma_devices: DeviceFilter::default(),
+            rdma_gid_index: GidChoice::default(),
+            rdma_qps_per_peer: 2,
+            batch_timeout: Duration::from_secs(30),
+            max_batch_ops: DEFAULT_MAX_BATCH_OPS,
+            cuda_path: CudaPath::default(),
+            connect_timeout: Duration::from_secs(3),
+            trace: TraceConfig::default(),
+            grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// `$NODE_NAME` (the DaemonSet sets it from the downward API), else the host name.
+fn default_name() -> String {
+    std::env::var(env::NODE_NAME)
+        .ok()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| {
+            rustix::system::uname()
+                .nodename()
+                .to_string_lossy()
+                .into_owned()
+        })
+}
+
+/// Fabric and namespace names become etcd key segments and socket paths: DNS labels only.
+fn check_dns_label(field: &'static str, value: &str) -> Result<()> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !value.starts_with('-')
+        && !value.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::config(
+            field,
+            kvfabric_proto::limits::echo(value),
+            "a DNS label: 1..=63 of [a-z0-9-], not starting or ending with '-'",
+        ))
+    }
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!("{s:?} is not a permission mode (octal, e.g. 0660)")),
+    }
+}
+
+/// `tcp`, `shm`, `cuda-ipc` or `rdma`.
+pub fn parse_transport(s: &str) -> Result<TransportKind, String> {
+    match s.trim() {
+        "tcp" => Ok(TransportKind::Tcp),
+        "shm" => Ok(TransportKind::Shm),
+        "cuda-ipc" => Ok(TransportKind::CudaIpc),
+        "rdma" => Ok(TransportKind::Rdma),
+        other => Err(format!(
+            "{other:?} is not a transport (tcp, shm, cuda-ipc, rdma)"
+        )),
+    }
+}
+
+/// The inverse of [`parse_location`].
+pub fn location_name(location: Location) -> String {
+    match location {
+        Location::Host { .. } => "host".into(),
+        Location::Cuda { device } => format!("cuda:{device}"),
+    }
+}
+
+/// `host` or `cuda:N`.
+pub fn parse_location(s: &str) -> Result<Location, String> {
+    if s == "host" {
+        return Ok(Location::Host { numa: None });
+    }
+    s.strip_prefix("cuda:")
+        .and_then(|d| d.parse::<u32>().ok())
+        .map(|device| Location::Cuda { device })
+        .ok_or_else(|| format!("{s:?} is not a location (host or cuda:N)"))
+}
+
+fn parse_rdma_devices(s: &str) -> Result<DeviceFilter, String> {
+    s.parse().map_err(|e: kvfabric_engine::Error| e.to_string())
+}
+
+fn parse_gid_index(s: &str) -> Result<GidChoice, String> {
+    s.parse().map_err(|e: kvfabric_engine::Error| e.to_string())
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("{s:?} is not a ratio between 0 and 1")),
+    }
+}

@@ -1,0 +1,53 @@
+//! `kvfabric`: parse the command line and environment into a subcommand's validated config (exit
+//! 64 when it is bad), run it until it ends or SIGTERM/SIGINT, exit with its status.
+
+mod command;
+mod status;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+use command::Cli;
+
+/// sysexits EX_USAGE: the command line or environment is wrong (each crate's `exit_code` says 64
+/// for its configuration errors too).
+const EXIT_CONFIG: u8 = 64;
+
+fn main() -> ExitCode {
+    kvfabric_agent::allocator::keep_freed_memory();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let usage = e.use_stderr();
+            let _ = e.print();
+            // Help and version are not errors.
+            return ExitCode::from(if usage { EXIT_CONFIG } else { 0 });
+        }
+    };
+    let filter = match EnvFilter::try_new(&cli.log) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("invalid --log {:?}: {e}", cli.log);
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(cli.command.run(filter)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failed) => {
+            eprintln!("kvfabric: {}", failed.message);
+            ExitCode::from(failed.exit_code)
+        }
+    }
+}

@@ -1,0 +1,341 @@
+//! What a worker links to talk to its node's agent: register KV memory, submit batches of block
+//! ops against segments named in the registry, await completion.
+//!
+//! ```no_run
+//! # async fn demo() -> kvfabric_client::Result<()> {
+//! use kvfabric_client::{Client, HostMemory, Op};
+//! let agent = Client::connect("/var/run/kvfabric").await?;
+//! let kv = HostMemory::alloc(1 << 30)?;
+//! let mine = agent.register("decode-0", &[&kv], None).await?;
+//! // Pull block 7 of the prefill worker's first region into our block 0.
+//! let done = agent
+//!     .read(&mine, "prefill-0", 0x5eed, &[Op { local_region: 0, local_offset: 0,
+//!         remote_region: 0, remote_offset: 7 * 32768, len: 32768 }])
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod fd;
+mod memory;
+pub mod trace;
+
+pub use error::{Error, Result};
+pub use kvfabric_proto::pb;
+pub use memory::{CudaRegion, HostMemory, Memory};
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use kvfabric_proto::contract::socket;
+use kvfabric_proto::limits::{MAX_LOCAL_RESPONSE_BYTES, max_submit_bytes};
+use kvfabric_proto::pb::local_agent_client::LocalAgentClient;
+use kvfabric_proto::pb::{
+    CudaMemory, DeregisterSegmentRequest, HostMemory as PbHost, RegionSpec, RegisterSegmentRequest,
+    StatusRequest, SubmitRequest, SubmitResponse, WatchSegmentsRequest, region_spec,
+};
+use kvfabric_proto::status::StatusDoc;
+use tonic::transport::{Channel, Endpoint, Uri};
+use tower::service_fn;
+use tracing::Instrument;
+
+/// A connection to the local agent. Cheap to clone; clones share the channel.
+#[derive(Debug, Clone)]
+pub struct Client {
+    grpc: LocalAgentClient<Channel>,
+    socket_dir: PathBuf,
+}
+
+/// A registered segment: its name and the key readers must present.
+#[derive(Debug, Clone)]
+pub struct Segment {
+    pub name: String,
+    pub key: u64,
+    pub regions: Vec<pb::RegionInfo>,
+}
+
+/// One block op; regions are indexes in each segment's region list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Op {
+    pub local_region: u32,
+    pub local_offset: u64,
+    pub remote_region: u32,
+    pub remote_offset: u64,
+    pub len: u64,
+}
+
+impl From<Op> for pb::BlockOp {
+    fn from(o: Op) -> Self {
+        pb::BlockOp {
+            local_region: o.local_region,
+            local_offset: o.local_offset,
+            remote_region: o.remote_region,
+            remote_offset: o.remote_offset,
+            len: o.len,
+        }
+    }
+}
+
+/// Options of one submitted batch.
+#[derive(Debug, Clone, Default)]
+pub struct SubmitOptions {
+    pub timeout: Option<Duration>,
+    pub checksum: bool,
+    /// W3C `traceparent` to carry instead of the current `tracing` span's (a caller that keeps
+    /// its trace context elsewhere, e.g. Python's OpenTelemetry).
+    pub traceparent: Option<String>,
+}
+
+impl Client {
+    /// Connects to the agent whose sockets are in `socket_dir`.
+    pub async fn connect(socket_dir: impl AsRef<Path>) -> Result<Client> {
+        let socket_dir = socket_dir.as_ref().to_path_buf();
+        let path = socket_dir.join(socket::LOCAL);
+        let fail = |reason: String| Error::Connect {
+            path: path.display().to_string(),
+            reason,
+        };
+        // The URI is required by the API and ignored: the connector dials the socket.
+        let channel = Endpoint::from_static("http://kvfabric-agent")
+            .connect_with_connector(service_fn({
+                let path = path.clone();
+                move |_: Uri| {
+                    let path = path.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(TokioIo::new(
+                            tokio::net::UnixStream::connect(path).await?,
+                        ))
+                    }
+                }
+            }))
+            .await
+            .map_err(|e| fail(format!("connect: {e}")))?;
+        Ok(Client {
+            grpc: LocalAgentClient::new(channel)
+                .max_decoding_message_size(MAX_LOCAL_RESPONSE_BYTES)
+                .max_encoding_message_size(max_submit_bytes(usize::from(u16::MAX) + 1)),
+            socket_dir,
+        })
+    }
+
+    fn rpc_error(&self, call: &'static str, s: tonic::Status) -> Error {
+        Error::Rpc {
+            call,
+            path: self.socket_dir.join(socket::LOCAL).display().to_string(),
+            code: s.code(),
+            message: s.message().to_owned(),
+        }
+    }
+
+    /// Publishes `regions` as segment `name`. `key`: the key readers must present (None: the
+    /// agent picks a random one, returned in the answer).
+    pub async fn register(
+        &self,
+        name: &str,
+        regions: &[&HostMemory],
+        key: Option<u64>,
+    ) -> Result<Segment> {
+        let memory: Vec<Memory<'_>> = regions.iter().map(|m| Memory::Host(m)).collect();
+        self.register_memory(name, &memory, key).await
+    }
+
+    /// Like [`Client::register`], for host and GPU memory alike.
+    pub async fn register_memory(
+        &self,
+        name: &str,
+        regions: &[Memory<'_>],
+        key: Option<u64>,
+    ) -> Result<Segment> {
+        let fd_path = self.socket_dir.join(socket::FD);
+        let mut specs = Vec::with_capacity(regions.len());
+        for m in regions {
+            specs.push(RegionSpec {
+                memory: Some(match m {
+                    Memory::Host(h) => {
+                        let fd = h.0.memfd().ok_or_else(|| Error::Invalid {
+                            field: "region",
+                            value: "host memory".into(),
+                            reason: "has no memfd".into(),
+                        })?;
+                        let owned = fd
+                            .try_clone_to_owned()
+                            .map_err(|e| Error::io("dup memfd", e))?;
+                        let path = fd_path.clone();
+                        let token = tokio::task::spawn_blocking(move || fd::send(&path, &owned))
+                            .await
+                            .map_err(|e| Error::io("fd socket task", std::io::Error::other(e)))??;
+                        region_spec::Memory::Host(PbHost { fd_token: token })
+                    }
+                    Memory::Cuda(c) => region_spec::Memory::Cuda(CudaMemory {
+                        device: c.device,
+                        device_uuid: c.device_uuid.clone(),
+                        ipc_handle: c.ipc_handle.clone(),
+                        offset: c.offset,
+                        len: c.len,
+                    }),
+                }),
+            });
+        }
+        let reply = self
+            .grpc
+            .clone()
+            .register_segment(RegisterSegmentRequest {
+                name: name.into(),
+                regions: specs,
+                key: key.unwrap_or(0),
+            })
+            .await
+            .map_err(|s| self.rpc_error("RegisterSegment", s))?
+            .into_inner();
+        Ok(Segment {
+            name: reply.name,
+            key: reply.key,
+            regions: reply.regions,
+        })
+    }
+
+    pub async fn deregister(&self, segment: &Segment) -> Result<()> {
+        self.grpc
+            .clone()
+            .deregister_segment(DeregisterSegmentRequest {
+                name: segment.name.clone(),
+                key: segment.key,
+            })
+            .await
+            .map_err(|s| self.rpc_error("DeregisterSegment", s))?;
+        Ok(())
+    }
+
+    /// Pulls `ops` from `remote` (with the key its owner handed out) into `local`.
+    pub async fn read(
+        &self,
+        local: &Segment,
+        remote: &str,
+        remote_key: u64,
+        ops: &[Op],
+    ) -> Result<SubmitResponse> {
+        self.submit(
+            local,
+            remote,
+            remote_key,
+            pb::Opcode::Read,
+            ops,
+            SubmitOptions::default(),
+        )
+        .await
+    }
+
+    /// Pushes `ops` from `local` into `remote`.
+    pub async fn write(
+        &self,
+        local: &Segment,
+        remote: &str,
+        remote_key: u64,
+        ops: &[Op],
+    ) -> Result<SubmitResponse> {
+        self.submit(
+            local,
+            remote,
+            remote_key,
+            pb::Opcode::Write,
+            ops,
+            SubmitOptions::default(),
+        )
+        .await
+    }
+
+    pub async fn submit(
+        &self,
+        local: &Segment,
+        remote: &str,
+        remote_key: u64,
+        opcode: pb::Opcode,
+        ops: &[Op],
+        options: SubmitOptions,
+    ) -> Result<SubmitResponse> {
+        let request = SubmitRequest {
+            local_segment: local.name.clone(),
+            local_key: local.key,
+            remote_segment: remote.into(),
+            remote_key,
+            opcode: opcode as i32,
+            ops: ops.iter().map(|&o| o.into()).collect(),
+            timeout_ms: options
+                .timeout
+                .map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            checksum: options.checksum,
+        };
+        self.submit_traced(request, options.traceparent)
+            .await
+            .map_err(|s| self.rpc_error("Submit", s))
+    }
+
+    /// The request as given, and the gRPC status as the agent answered (tests of bad input).
+    ///
+    /// The call runs in a `kvfabric.worker.submit` span whose context travels to the agent
+    /// (W3C `traceparent` metadata), so a worker that exports traces sees the whole transfer.
+    pub async fn submit_raw(
+        &self,
+        request: SubmitRequest,
+    ) -> std::result::Result<SubmitResponse, tonic::Status> {
+        self.submit_traced(request, None).await
+    }
+
+    async fn submit_traced(
+        &self,
+        request: SubmitRequest,
+        traceparent: Option<String>,
+    ) -> std::result::Result<SubmitResponse, tonic::Status> {
+        let span = tracing::info_span!(
+            "kvfabric.worker.submit",
+            otel.kind = "client",
+            kvfabric.local.segment = %request.local_segment,
+            kvfabric.remote.segment = %request.remote_segment,
+            kvfabric.op = request.opcode,
+            kvfabric.blocks = request.ops.len(),
+        );
+        async {
+            let mut call = tonic::Request::new(request);
+            let parent = traceparent
+                .filter(|t| trace::is_traceparent(t))
+                .or_else(trace::current_traceparent);
+            if let Some(value) = parent.and_then(|t| t.parse().ok()) {
+                call.metadata_mut().insert("traceparent", value);
+            }
+            Ok(self.grpc.clone().submit(call).await?.into_inner())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The raw gRPC client, for calls this wrapper does not cover.
+    pub fn grpc(&self) -> LocalAgentClient<Channel> {
+        self.grpc.clone()
+    }
+
+    pub async fn status(&self) -> Result<StatusDoc> {
+        let reply = self
+            .grpc
+            .clone()
+            .status(StatusRequest {})
+            .await
+            .map_err(|s| self.rpc_error("Status", s))?
+            .into_inner();
+        serde_json::from_str(&reply.json).map_err(|e| Error::Document {
+            what: "status document",
+            reason: e.to_string(),
+        })
+    }
+
+    /// Segment changes, starting with every segment known now.
+    pub async fn watch(&self) -> Result<tonic::Streaming<pb::SegmentEvent>> {
+        Ok(self
+            .grpc
+            .clone()
+            .watch_segments(WatchSegmentsRequest {})
+            .await
+            .map_err(|s| self.rpc_error("WatchSegments", s))?
+            .into_inner())
+    }
+}

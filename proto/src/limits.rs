@@ -1,0 +1,62 @@
+//! How large a message each API takes. A server refuses anything larger before decoding it, so a
+//! caller cannot make an agent hold more than these per call.
+
+/// Most block ops one submitted batch may carry by default (the agent's `--max-batch-ops`).
+pub const DEFAULT_MAX_BATCH_OPS: usize = 65_536;
+
+/// Bytes of one encoded block op in a `SubmitRequest`, at most: five fields with tags and
+/// varints of up to 10 bytes, plus the repeated field's tag and length.
+pub const MAX_ENCODED_OP_BYTES: usize = 2 + 5 * 11;
+
+/// Room in a local API request beside its ops: names, keys, options, registration specs.
+pub const LOCAL_REQUEST_OVERHEAD_BYTES: usize = 64 << 10;
+
+/// Largest `Submit` the local API accepts from an agent that takes `max_batch_ops` ops per
+/// batch: every op at its worst encoding plus the rest of the request (65 536 ops: 3.6 MiB).
+pub fn max_submit_bytes(max_batch_ops: usize) -> usize {
+    max_batch_ops
+        .saturating_mul(MAX_ENCODED_OP_BYTES)
+        .saturating_add(LOCAL_REQUEST_OVERHEAD_BYTES)
+}
+
+/// Largest answer a worker accepts from its own agent (a status document of a large fabric).
+pub const MAX_LOCAL_RESPONSE_BYTES: usize = 16 << 20;
+
+/// Largest message the peer API accepts from an authenticated agent: a handshake or an RDMA
+/// offer is a few KiB.
+pub const MAX_PEER_REQUEST_BYTES: usize = 64 << 10;
+
+/// Largest answer a peer API client accepts: a descriptor of many regions with their RDMA keys.
+pub const MAX_PEER_RESPONSE_BYTES: usize = 16 << 20;
+
+/// Longest segment or agent name (a DNS subdomain).
+pub const MAX_NAME_LEN: usize = 253;
+
+/// Longest prefix of an untrusted value echoed in an error message.
+pub const MAX_ECHO_LEN: usize = 64;
+
+/// `value` as an error message may quote it: at most [`MAX_ECHO_LEN`] characters, with a note of
+/// how long it was when cut.
+pub fn echo(value: &str) -> String {
+    match value.char_indices().nth(MAX_ECHO_LEN) {
+        None => value.to_owned(),
+        Some((cut, _)) => format!("{}… ({} bytes)", &value[..cut], value.len()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn echo_keeps_short_values_and_cuts_long_ones() {
+        assert_eq!(echo("decode-0"), "decode-0");
+        let long = "x".repeat(65_536);
+        let e = echo(&long);
+        assert!(e.len() < 100, "{e}");
+        assert!(e.ends_with("(65536 bytes)"), "{e}");
+        // Cut on a character boundary.
+        let wide = "é".repeat(100);
+        assert!(echo(&wide).starts_with(&"é".repeat(MAX_ECHO_LEN)));
+    }
+}

@@ -1,0 +1,66 @@
+//! The status document: what `kvfabric status` prints and the local API's `Status` call returns
+//! (as JSON, so scripts read one schema that can grow without proto churn).
+
+use serde::{Deserialize, Serialize};
+
+use crate::entry::AgentEntry;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StatusDoc {
+    pub agent: String,
+    pub fabric: String,
+    pub pool: String,
+    pub peer_addr: String,
+    pub transports: Vec<String>,
+    pub registry: RegistryState,
+    pub agents: Vec<AgentEntry>,
+    pub segments: Vec<SegmentRow>,
+    pub connections: Vec<ConnectionRow>,
+    /// Bytes moved by connections that have since closed.
+    pub closed_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SegmentRow {
+    pub name: String,
+    pub agent: String,
+    pub regions: usize,
+    pub bytes: u64,
+    pub locations: Vec<String>,
+    /// Registered with this agent.
+    pub local: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConnectionRow {
+    pub agent: String,
+    pub transport: String,
+    pub reason: String,
+    pub connections: usize,
+    pub bytes: u64,
+    pub batches: u64,
+    pub errors: u64,
+    pub open_secs: u64,
+}
+
+/// Health of the registry connection, for `kvfabric status` and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegistryState {
+    /// `memory` or `etcd`.
+    pub backend: String,
+    /// etcd endpoints (empty for memory).
+    pub endpoints: Vec<String>,
+    /// The registry answered the last request or keepalive.
+    pub connected: bool,
+    /// Current lease (0 for memory).
+    pub lease_id: i64,
+    pub lease_ttl_secs: u64,
+    /// Times the lease was lost and everything re-registered under a new one.
+    pub reregistrations: u64,
+    /// Times the watch was restarted from a full read.
+    pub resyncs: u64,
+    pub agents: usize,
+    pub segments: usize,
+    /// The last error talking to the registry, if any since the last success.
+    pub last_error: Option<String>,
+}

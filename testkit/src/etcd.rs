@@ -1,0 +1,437 @@
+//! Real components for tests and benchmarks: a throwaway single-member etcd.
+//!
+//! [`EtcdServer`] runs the `etcd` binary of Debian's `etcd-server` package (or the one
+//! `KVFABRIC_ETCD_BIN` names) on free ports with a temporary data directory, and can stop,
+//! restart (same member, ports and data) and kill it, to test what clients do meanwhile.
+//!
+//! ```no_run
+//! # async fn demo() -> kvfabric_testkit::Result<()> {
+//! use kvfabric_testkit::EtcdServer;
+//! let etcd = match EtcdServer::start().await {
+//!     Ok(etcd) => etcd,
+//!     Err(e @ kvfabric_testkit::Error::EtcdNotFound { .. }) => {
+//!         eprintln!("skipped: no etcd binary ({e})");
+//!         return Ok(());
+//!     }
+//!     Err(e) => return Err(e),
+//! };
+//! println!("etcd at {}", etcd.endpoint());
+//! # Ok(()) }
+//! ```
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Environment variable naming the etcd binary to run.
+pub const ETCD_BIN_ENV: &str = "KVFABRIC_ETCD_BIN";
+/// How long a start may take until etcd answers.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long `stop` waits after SIGTERM before it kills.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A single-member etcd for one test. Dropping it kills the process and removes its data.
+#[derive(Debug)]
+pub struct EtcdServer {
+    bin: PathBuf,
+    /// Serves https and requires client certificates (see [`EtcdServer::start_tls`]).
+    tls: bool,
+    host: IpAddr,
+    client_port: u16,
+    peer_port: u16,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl EtcdServer {
+    /// The etcd binary: `$KVFABRIC_ETCD_BIN`, else `etcd` on `PATH`, else `/usr/bin/etcd`.
+    pub fn binary() -> Result<PathBuf> {
+        if let Some(bin) = std::env::var_os(ETCD_BIN_ENV) {
+            let bin = PathBuf::from(bin);
+            return if bin.is_file() {
+                Ok(bin)
+            } else {
+                Err(Error::EtcdNotFound {
+                    looked: format!("{ETCD_BIN_ENV}={}", bin.display()),
+                })
+            };
+        }
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        std::env::split_paths(&path)
+            .map(|dir| dir.join("etcd"))
+            .chain([PathBuf::from("/usr/bin/etcd")])
+            .find(|bin| bin.is_file())
+            .ok_or_else(|| Error::EtcdNotFound {
+                looked: "etcd on PATH and /usr/bin/etcd".into(),
+            })
+    }
+
+    /// Starts etcd on 127.0.0.1 and waits until it answers.
+    pub async fn start() -> Result<Self> {
+        Self::start_on(IpAddr::V4(Ipv4Addr::LOCALHOST)).await
+    }
+
+    /// Starts etcd listening on `ip` (e.g. a bridge address that network namespaces reach).
+    pub async fn start_on(ip: IpAddr) -> Result<Self> {
+        let bin = Self::binary()?;
+        let (client_port, peer_port) = free_ports(ip)?;
+        let dir = tempfile::Builder::new()
+            .prefix("kvfabric-etcd-")
+            .tempdir()
+            .map_err(|e| Error::io("create a data directory for etcd", e))?;
+        let mut server = EtcdServer {
+            bin,
+            tls: false,
+            host: ip,
+            client_port,
+            peer_port,
+            dir,
+            child: None,
+        };
+        server.start_again().await?;
+        Ok(server)
+    }
+
+    /// Starts etcd on 127.0.0.1 with TLS: https only, client certificates required. The
+    /// certificates (a throwaway CA, a server certificate for 127.0.0.1 and a client one) are
+    /// made with the `openssl` command; [`EtcdServer::client_tls_dir`] holds what a client
+    /// needs in the layout of a Kubernetes TLS secret (`ca.crt`, `tls.crt`, `tls.key`).
+    pub async fn start_tls() -> Result<Self> {
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let bin = Self::binary()?;
+        let (client_port, peer_port) = free_ports(ip)?;
+        let dir = tempfile::Builder::new()
+            .prefix("kvfabric-etcd-")
+            .tempdir()
+            .map_err(|e| Error::io("create a data directory for etcd", e))?;
+        let certs = dir.path().to_path_buf();
+        tokio::task::spawn_blocking(move || make_certificates(&certs, ip))
+            .await
+            .map_err(|e| Error::io("make certificates", std::io::Error::other(e)))??;
+        let mut server = EtcdServer {
+            bin,
+            tls: true,
+            host: ip,
+            client_port,
+            peer_port,
+            dir,
+            child: None,
+        };
+        server.start_again().await?;
+        Ok(server)
+    }
+
+    /// `http://HOST:PORT` (`https://` with TLS) for clients.
+    pub fn endpoint(&self) -> String {
+        let scheme = if self.tls { "https" } else { "http" };
+        format!(
+            "{scheme}://{}",
+            SocketAddr::new(self.host, self.client_port)
+        )
+    }
+
+    /// With [`EtcdServer::start_tls`]: `ca.crt`, `tls.crt` and `tls.key` for a client.
+    pub fn client_tls_dir(&self) -> PathBuf {
+        self.dir.path().join("client")
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// etcd's own log (stdout and stderr, across restarts).
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("etcd.log")
+    }
+
+    /// Whether the process is running.
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// (Re)starts the same member: same name, ports and data directory. No-op if running.
+    pub async fn start_again(&mut self) -> Result<()> {
+        if self.is_running() {
+            return Ok(());
+        }
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .map_err(|e| Error::io(format!("open {}", self.log_path().display()), e))?;
+        let stderr = log
+            .try_clone()
+            .map_err(|e| Error::io("duplicate the etcd log file", e))?;
+        let client_url = self.endpoint();
+        let peer_url = format!("http://{}", SocketAddr::new(self.host, self.peer_port));
+        let name = "kvfabric-test";
+        let mut command = Command::new(&self.bin);
+        if self.tls {
+            let server = self.dir.path().join("server");
+            command
+                .arg("--cert-file")
+                .arg(server.join("tls.crt"))
+                .arg("--key-file")
+                .arg(server.join("tls.key"))
+                .arg("--client-cert-auth")
+                .arg("--trusted-ca-file")
+                .arg(server.join("ca.crt"));
+        }
+        let child = command
+            .arg("--name")
+            .arg(name)
+            .arg("--data-dir")
+            .arg(self.data_dir())
+            .arg("--listen-client-urls")
+            .arg(&client_url)
+            .arg("--advertise-client-urls")
+            .arg(&client_url)
+            .arg("--listen-peer-urls")
+            .arg(&peer_url)
+            .arg("--initial-advertise-peer-urls")
+            .arg(&peer_url)
+            .arg("--initial-cluster")
+            .arg(format!("{name}={peer_url}"))
+            .arg("--initial-cluster-state")
+            .arg("new")
+            .arg("--logger")
+            .arg("zap")
+            .arg("--log-outputs")
+            .arg("stderr")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| Error::io(format!("run {}", self.bin.display()), e))?;
+        self.child = Some(child);
+        self.wait_ready().await
+    }
+
+    /// SIGTERM, then waits for the exit (SIGKILL after 10 s). Data stays for `start_again`.
+    pub async fn stop(&mut self) -> Result<()> {
+        let Some(child) = self.child.as_mut() else {
+            return Ok(());
+        };
+        if matches!(child.try_wait(), Ok(None)) {
+            let pid = rustix::process::Pid::from_raw(child.id() as i32);
+            if let Some(pid) = pid {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            }
+            let deadline = Instant::now() + STOP_TIMEOUT;
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        self.kill().await
+    }
+
+    /// SIGKILL and wait. Data stays for `start_again`.
+    pub async fn kill(&mut self) -> Result<()> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
+        let _ = child.kill();
+        while matches!(child.try_wait(), Ok(None)) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
+    /// A client of this etcd (with the client certificate under TLS; no credentials).
+    pub async fn client(&self) -> Result<etcd_client::Client> {
+        etcd_client::Client::connect([self.endpoint()], self.connect_options()?)
+            .await
+            .map_err(|e| Error::Etcd {
+                endpoint: self.endpoint(),
+                reason: e.to_string(),
+            })
+    }
+
+    fn connect_options(&self) -> Result<Option<etcd_client::ConnectOptions>> {
+        if !self.tls {
+            return Ok(None);
+        }
+        let tls = kvfabric_agent::registry::EtcdTls::from_dir(self.client_tls_dir())?.options()?;
+        Ok(Some(etcd_client::ConnectOptions::new().with_tls(tls)))
+    }
+
+    async fn wait_ready(&mut self) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let options = self.connect_options()?;
+        let mut last = String::from("no answer yet");
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                return Err(self.start_error(format!("etcd exited: {status}")));
+            }
+            if Instant::now() >= deadline {
+                return Err(self.start_error(format!("not ready in {READY_TIMEOUT:?}: {last}")));
+            }
+            let probe = async {
+                let options = options.clone();
+                let mut client = etcd_client::Client::connect([self.endpoint()], options).await?;
+                client.status().await
+            };
+            match tokio::time::timeout(Duration::from_secs(1), probe).await {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(e)) => last = e.to_string(),
+                Err(_) => last = "status timed out".into(),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn start_error(&mut self, reason: String) -> Error {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let log = self.log_path();
+        Error::EtcdStart {
+            endpoint: self.endpoint(),
+            reason: format!("{reason}; log ends with: {}", tail(&log, 2000)),
+            log: log.display().to_string(),
+        }
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Two distinct free TCP ports on `ip` (bound, then released for etcd to take).
+fn free_ports(ip: IpAddr) -> Result<(u16, u16)> {
+    let bind = || {
+        TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("bind a free port on {ip}"), e))
+    };
+    let (a, b) = (bind()?, bind()?);
+    let port = |l: &TcpListener| {
+        l.local_addr()
+            .map(|a| a.port())
+            .map_err(|e| Error::io("read a bound port", e))
+    };
+    Ok((port(&a)?, port(&b)?))
+}
+
+/// The last `max` bytes of a file, for error messages.
+fn tail(path: &Path, max: u64) -> String {
+    let Ok(mut file) = File::open(path) else {
+        return String::from("(no log)");
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = file.seek(SeekFrom::Start(len.saturating_sub(max)));
+    let mut bytes = Vec::new();
+    let _ = file.read_to_end(&mut bytes);
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// A throwaway CA in `dir`, a server certificate for `ip` in `dir/server` and a client one in
+/// `dir/client`, each directory with `ca.crt`, `tls.crt`, `tls.key` (P-256, one day).
+fn make_certificates(dir: &Path, ip: IpAddr) -> Result<()> {
+    let openssl = |args: &[&str]| -> Result<()> {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| Error::io("run openssl (apt-get install openssl)", e))?;
+        if !out.status.success() {
+            return Err(Error::io(
+                format!("openssl {}", args.join(" ")),
+                std::io::Error::other(String::from_utf8_lossy(&out.stderr).into_owned()),
+            ));
+        }
+        Ok(())
+    };
+    let write = |name: &str, text: &str| {
+        std::fs::write(dir.join(name), text).map_err(|e| Error::io(format!("write {name}"), e))
+    };
+    let key = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &key,
+            &[
+                "-days",
+                "1",
+                "-subj",
+                "/CN=kvfabric-test-ca",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.crt",
+            ],
+            &["-addext", "basicConstraints=critical,CA:TRUE"],
+            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+        ]
+        .concat(),
+    )?;
+    for (who, usage, san) in [
+        ("server", "serverAuth", format!("IP:{ip},DNS:localhost")),
+        ("client", "clientAuth", "DNS:kvfabric-agent".to_string()),
+    ] {
+        let sub = dir.join(who);
+        std::fs::create_dir_all(&sub).map_err(|e| Error::io(format!("create {who}/"), e))?;
+        write(
+            &format!("{who}.ext"),
+            &format!(
+                "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n\
+                 extendedKeyUsage={usage}\nsubjectAltName={san}\n"
+            ),
+        )?;
+        let (crt, key_file) = (format!("{who}/tls.crt"), format!("{who}/tls.key"));
+        openssl(
+            &[
+                &["req"][..],
+                &key,
+                &[
+                    "-subj",
+                    &format!("/CN=kvfabric-test-{who}"),
+                    "-keyout",
+                    &key_file,
+                ],
+                &["-out", &format!("{who}.csr")],
+            ]
+            .concat(),
+        )?;
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{who}.csr"),
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-out",
+            &crt,
+            "-extfile",
+            &format!("{who}.ext"),
+        ])?;
+        std::fs::copy(dir.join("ca.crt"), sub.join("ca.crt"))
+            .map_err(|e| Error::io(format!("copy ca.crt to {who}/"), e))?;
+    }
+    Ok(())
+}
