@@ -1,5 +1,8 @@
 use std::io;
 
+// Values a caller sent are quoted cut short: an error must not grow with the input.
+use kvfabric_proto::limits::echo;
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
@@ -7,7 +10,7 @@ pub enum Error {
     #[error(transparent)]
     Engine(#[from] kvfabric_engine::Error),
 
-    #[error("invalid {field}: {value:?} ({reason})")]
+    #[error("invalid {field}: {:?} ({reason})", echo(.value))]
     Config {
         field: &'static str,
         value: String,
@@ -15,7 +18,7 @@ pub enum Error {
     },
 
     /// `delete_segment` of a segment this agent did not put.
-    #[error("unknown segment {name:?}: this agent did not put it")]
+    #[error("unknown segment {:?}: this agent did not put it", echo(.name))]
     UnknownSegment { name: String },
 
     /// etcd did not answer (down, partitioned, timed out). For writes, the entry is still
@@ -43,23 +46,30 @@ pub enum Error {
         reason: String,
     },
 
-    #[error("unknown segment {name:?}")]
+    #[error("unknown segment {:?}", echo(.name))]
     NoSuchSegment { name: String },
 
-    #[error("segment {name:?} already exists (served by agent {agent:?})")]
+    #[error("segment {:?} already exists (served by agent {:?})", echo(.name), echo(.agent))]
     SegmentExists { name: String, agent: String },
 
-    #[error("wrong key for segment {name:?}")]
+    #[error("wrong key for segment {:?}", echo(.name))]
     WrongKey { name: String },
 
-    #[error("invalid {field}: {value} ({reason})")]
+    #[error("invalid {}: {} ({reason})", echo(.field), echo(.value))]
     InvalidRequest {
         field: String,
         value: String,
         reason: String,
     },
 
-    #[error("agent {agent:?} (serving segment {segment:?}) is not in the registry")]
+    /// A bounded resource a caller can make the agent hold is at its limit.
+    #[error("too many {resource} (limit {limit}); retry once some are released")]
+    Exhausted {
+        resource: &'static str,
+        limit: usize,
+    },
+
+    #[error("agent {:?} (serving segment {:?}) is not in the registry", echo(.agent), echo(.segment))]
     UnknownAgent { agent: String, segment: String },
 
     #[error("peer agent {agent:?} at {addr}: {reason}")]
@@ -118,6 +128,7 @@ impl Error {
             Error::WrongKey { .. } => "wrong_key",
             Error::InvalidRequest { .. } => "invalid_request",
             Error::UnknownAgent { .. } => "unknown_agent",
+            Error::Exhausted { .. } => "exhausted",
             Error::PeerAgent { .. } => "peer_agent",
             Error::Io { .. } => "io",
         }

@@ -115,8 +115,10 @@ impl LocalAgent for LocalApi {
                 }
             });
         }
-        let segment = self.node.register(&req.name, sources, req.key).await?;
+        let registered = self.node.register(&req.name, sources, req.key).await?;
+        let segment = &registered.segment;
         Ok(Response::new(RegisterSegmentResponse {
+            published: registered.published,
             name: segment.name.clone(),
             key: segment.key.0,
             regions: segment

@@ -54,6 +54,8 @@ pub struct Metrics {
     /// Spans handed to the collector, and spans lost (collector down, queue full).
     pub spans_exported: Counter,
     pub spans_dropped: Counter,
+    /// Failed accepts on the gRPC and fd sockets (at the fd limit, they back off).
+    pub accept_errors: Counter,
 }
 
 fn histogram() -> Histogram {
@@ -79,8 +81,14 @@ impl Metrics {
             local_segments: Gauge::default(),
             spans_exported: spans.exported.clone(),
             spans_dropped: spans.dropped.clone(),
+            accept_errors: Counter::default(),
             registry: Registry::default(),
         };
+        registry.register(
+            "accept_errors",
+            "Failed accepts on the agent's sockets (they back off at the fd limit)",
+            m.accept_errors.clone(),
+        );
         registry.register("bytes", "Bytes moved for local workers", m.bytes.clone());
         registry.register(
             "batches",

@@ -16,6 +16,7 @@ use serde::Serialize;
 use tracing::{Instrument, field, info, info_span, warn};
 
 use crate::error::{Error, Result};
+use crate::fd_stash::FdStash;
 use crate::metrics::{LinkLabels, SharedMetrics, TransportLabels};
 use crate::peer_link;
 use crate::peer_token::PeerToken;
@@ -24,10 +25,6 @@ use crate::telemetry;
 
 /// Most regions one segment may hold.
 pub const MAX_REGIONS: usize = 4096;
-/// Host memory handed over on the fd socket but never registered is closed after this long.
-pub const FD_TOKEN_TTL: Duration = Duration::from_secs(60);
-/// Most memfds waiting for their RegisterSegment at once.
-pub const MAX_PENDING_FDS: usize = 4096;
 
 /// What the agent was configured with.
 #[derive(Debug, Clone)]
@@ -80,6 +77,26 @@ pub enum RegionSource {
     },
 }
 
+/// A registration's memory, its fds taken from the stash.
+#[derive(Debug)]
+enum Memory {
+    Host(OwnedFd),
+    Cuda {
+        device: u32,
+        ipc_handle: Vec<u8>,
+        offset: u64,
+        len: u64,
+    },
+}
+
+/// What a registration did.
+#[derive(Debug)]
+pub struct Registered {
+    pub segment: Arc<LocalSegment>,
+    /// In the registry now; false while the registry is unreachable (published when it is back).
+    pub published: bool,
+}
+
 /// A transfer request, decoded.
 #[derive(Debug, Clone)]
 pub struct Transfer {
@@ -114,7 +131,10 @@ pub struct Node {
     /// Where this agent's peer API listens (what its registry entry advertises).
     pub peer_addr: SocketAddr,
     segments: RwLock<HashMap<String, Arc<LocalSegment>>>,
-    fds: Mutex<HashMap<u64, (OwnedFd, Instant)>>,
+    /// Held by each registration and deregistration.
+    registrations: tokio::sync::Mutex<()>,
+    /// Memfds handed over on the fd socket, waiting for their RegisterSegment.
+    pub fds: FdStash,
     links: tokio::sync::Mutex<HashMap<(String, TransportKind), Arc<Link>>>,
     /// Bytes moved through links that have since been closed, so totals never go backwards.
     closed_bytes: AtomicU64,
@@ -138,7 +158,8 @@ impl Node {
             metrics,
             peer_addr,
             segments: RwLock::default(),
-            fds: Mutex::default(),
+            registrations: tokio::sync::Mutex::default(),
+            fds: FdStash::default(),
             links: tokio::sync::Mutex::default(),
             closed_bytes: AtomicU64::new(0),
             rdma_given_up: Mutex::default(),
@@ -155,43 +176,6 @@ impl Node {
             tcp.set_ip(self.config.advertise);
         }
         d
-    }
-
-    /// Keeps a memfd a worker sent on the fd socket until its RegisterSegment names the token.
-    pub fn stash_fd(&self, fd: OwnedFd) -> Result<u64> {
-        let mut fds = self.fds.lock().unwrap_or_else(|e| e.into_inner());
-        fds.retain(|_, (_, at)| at.elapsed() < FD_TOKEN_TTL);
-        if fds.len() >= MAX_PENDING_FDS {
-            return Err(Error::invalid(
-                "fd socket",
-                fds.len(),
-                "too many memfds waiting for RegisterSegment",
-            ));
-        }
-        let token = loop {
-            let t: u64 = rand::random();
-            if t != 0 && !fds.contains_key(&t) {
-                break t;
-            }
-        };
-        fds.insert(token, (fd, Instant::now()));
-        Ok(token)
-    }
-
-    fn take_fd(&self, token: u64) -> Result<OwnedFd> {
-        self.fds
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&token)
-            .filter(|(_, at)| at.elapsed() < FD_TOKEN_TTL)
-            .map(|(fd, _)| fd)
-            .ok_or_else(|| {
-                Error::invalid(
-                    "host.fd_token",
-                    format!("{token:#x}"),
-                    "unknown or expired: send the memfd on the fd socket first",
-                )
-            })
     }
 
     pub fn local_segment(&self, name: &str, key: u64) -> Result<Arc<LocalSegment>> {
@@ -221,24 +205,61 @@ impl Node {
     }
 
     /// Maps the worker's memory, publishes the segment, and returns it with its key.
+    /// Publishes a worker's memory as segment `name`. Every memfd the request names is taken
+    /// from the stash first, so a refused request releases all of them at once. Registrations
+    /// and deregistrations run one at a time, so the registry and this agent agree after any
+    /// interleaving: a segment is in both or in neither, except while etcd is unreachable, when
+    /// the registry remembers it and publishes it once etcd answers again (`published: false`).
     pub async fn register(
         &self,
         name: &str,
         sources: Vec<RegionSource>,
         key: u64,
-    ) -> Result<Arc<LocalSegment>> {
+    ) -> Result<Registered> {
+        let mut memory = Vec::with_capacity(sources.len());
+        for (i, source) in sources.into_iter().enumerate() {
+            memory.push(match source {
+                RegionSource::Host { fd_token } => Memory::Host(
+                    self.fds
+                        .take(fd_token, &format!("regions[{i}].host.fd_token"))?,
+                ),
+                RegionSource::Cuda {
+                    device,
+                    ipc_handle,
+                    offset,
+                    len,
+                } => Memory::Cuda {
+                    device,
+                    ipc_handle,
+                    offset,
+                    len,
+                },
+            });
+        }
         check_segment_name(name)?;
-        if sources.is_empty() || sources.len() > MAX_REGIONS {
+        if memory.is_empty() || memory.len() > MAX_REGIONS {
             return Err(Error::invalid(
                 "regions",
-                sources.len(),
+                memory.len(),
                 format!("a segment needs 1..={MAX_REGIONS} regions"),
             ));
         }
+        let _one_at_a_time = self.registrations.lock().await;
         if let Some(owner) = self.registry.segment(name) {
             return Err(Error::SegmentExists {
                 name: name.into(),
                 agent: owner.agent,
+            });
+        }
+        if self
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(name)
+        {
+            return Err(Error::SegmentExists {
+                name: name.into(),
+                agent: self.config.name.clone(),
             });
         }
         let key = if key == 0 {
@@ -246,9 +267,9 @@ impl Node {
         } else {
             AccessKey(key)
         };
-        let mut regions = Vec::with_capacity(sources.len());
-        for (i, source) in sources.into_iter().enumerate() {
-            match self.map_region(i, source, key) {
+        let mut regions = Vec::with_capacity(memory.len());
+        for (i, m) in memory.into_iter().enumerate() {
+            match self.map_region(i, m, key) {
                 Ok(r) => regions.push(r),
                 Err(e) => {
                     self.drop_regions(&regions).await;
@@ -261,21 +282,6 @@ impl Node {
             key,
             regions,
         });
-        let taken = {
-            let mut map = self.segments.write().unwrap_or_else(|e| e.into_inner());
-            let taken = map.contains_key(name);
-            if !taken {
-                map.insert(name.into(), segment.clone());
-            }
-            taken
-        };
-        if taken {
-            self.drop_regions(&segment.regions).await;
-            return Err(Error::SegmentExists {
-                name: name.into(),
-                agent: self.config.name.clone(),
-            });
-        }
         let entry = SegmentEntry {
             name: name.into(),
             agent: self.config.name.clone(),
@@ -289,29 +295,34 @@ impl Node {
                 })
                 .collect(),
         };
-        if let Err(e) = self.registry.put_segment(entry).await {
-            self.segments
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(name);
-            self.drop_regions(&segment.regions).await;
-            return Err(e);
-        }
+        let published = match self.registry.put_segment(entry).await {
+            Ok(()) => true,
+            Err(e @ Error::RegistryUnavailable { .. }) => {
+                warn!(segment = name, error = %e, "registry unreachable: the segment is published when it answers again");
+                false
+            }
+            Err(e) => {
+                self.drop_regions(&segment.regions).await;
+                return Err(e);
+            }
+        };
+        self.segments
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.into(), segment.clone());
         info!(
             segment = name,
             regions = segment.regions.len(),
+            published,
             "segment registered"
         );
-        Ok(segment)
+        Ok(Registered { segment, published })
     }
 
-    fn map_region(&self, i: usize, source: RegionSource, key: AccessKey) -> Result<Arc<Region>> {
-        let r = match source {
-            RegionSource::Host { fd_token } => {
-                let fd = self.take_fd(fd_token)?;
-                self.engine.register_memfd(fd, key)
-            }
-            RegionSource::Cuda {
+    fn map_region(&self, i: usize, memory: Memory, key: AccessKey) -> Result<Arc<Region>> {
+        let r = match memory {
+            Memory::Host(fd) => self.engine.register_memfd(fd, key),
+            Memory::Cuda {
                 device,
                 ipc_handle,
                 offset,
@@ -342,21 +353,23 @@ impl Node {
         }
     }
 
-    /// Unpublishes a segment, then waits for the transfers that still use its memory.
+    /// Unpublishes a segment, then waits for the transfers that still use its memory. The
+    /// registry goes first: if it cannot be reached the segment stays registered here and in
+    /// the registry (the error says so; retry), never in one of them only.
     pub async fn deregister(&self, name: &str, key: u64) -> Result<()> {
+        let _one_at_a_time = self.registrations.lock().await;
         self.local_segment(name, key)?;
-        let Some(segment) = self
+        self.registry.delete_segment(name).await?;
+        let segment = self
             .segments
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(name)
-        else {
-            return Err(Error::NoSuchSegment { name: name.into() });
-        };
-        let unpublished = self.registry.delete_segment(name).await;
-        self.drop_regions(&segment.regions).await;
+            .remove(name);
+        if let Some(segment) = segment {
+            self.drop_regions(&segment.regions).await;
+        }
         info!(segment = name, "segment deregistered");
-        unpublished
+        Ok(())
     }
 
     /// Releases every segment's memory once no transfer uses it (graceful shutdown; the

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 
 use kvfabric_engine::ConnectInfo;
-use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 use tracing::{debug, warn};
 
@@ -21,12 +20,9 @@ pub struct PeerApi {
 }
 
 impl PeerApi {
-    /// The token first (a caller without it learns nothing, not even our fabric's name), then
-    /// the fabric.
-    fn admit(&self, metadata: &MetadataMap, fabric: &str) -> Result<(), Status> {
-        if let Some(token) = &self.node.config.peer_token {
-            token.admit(metadata)?;
-        }
+    /// The fabric a caller names must be ours. (The peer token was checked before the request
+    /// body was read: `server.rs` puts [`crate::peer_token::PeerToken::interceptor`] in front of this service.)
+    fn admit(&self, fabric: &str) -> Result<(), Status> {
         if fabric != self.node.config.fabric {
             return Err(Status::permission_denied(format!(
                 "fabric {:?} is not this agent's fabric {:?}",
@@ -43,7 +39,7 @@ impl PeerAgent for PeerApi {
         &self,
         request: Request<HandshakeRequest>,
     ) -> Result<Response<HandshakeResponse>, Status> {
-        self.admit(request.metadata(), &request.get_ref().fabric)?;
+        self.admit(&request.get_ref().fabric)?;
         let req = request.into_inner();
         debug!(peer = %req.agent, "peer handshake");
         Ok(Response::new(HandshakeResponse {
@@ -56,7 +52,7 @@ impl PeerAgent for PeerApi {
         &self,
         request: Request<RdmaConnectRequest>,
     ) -> Result<Response<RdmaConnectResponse>, Status> {
-        self.admit(request.metadata(), &request.get_ref().fabric)?;
+        self.admit(&request.get_ref().fabric)?;
         let req = request.into_inner();
         let offer = ConnectInfo::from_json(&req.agent, &req.connect_info_json)
             .map_err(|e| Status::from(Error::from(e)))?;

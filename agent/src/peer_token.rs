@@ -53,6 +53,19 @@ impl PeerToken {
         request.metadata_mut().insert(HEADER, self.header.clone());
     }
 
+    /// A tonic interceptor admitting only calls that present `token` (all calls when None). It
+    /// runs on the request's headers, before its body is read or decoded.
+    pub fn interceptor(
+        token: Option<PeerToken>,
+    ) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
+        move |request: Request<()>| {
+            if let Some(token) = &token {
+                token.admit(request.metadata())?;
+            }
+            Ok(request)
+        }
+    }
+
     /// Admits a call that presents this token, in time independent of where a wrong one
     /// differs.
     pub fn admit(&self, metadata: &MetadataMap) -> Result<(), Status> {

@@ -9,6 +9,7 @@ impl From<Error> for Status {
         let code = match &e {
             Error::NoSuchSegment { .. } | Error::UnknownAgent { .. } => Code::NotFound,
             Error::SegmentExists { .. } => Code::AlreadyExists,
+            Error::Exhausted { .. } => Code::ResourceExhausted,
             Error::WrongKey { .. } => Code::PermissionDenied,
             Error::InvalidRequest { .. } | Error::Config { .. } => Code::InvalidArgument,
             Error::PeerAgent { .. }

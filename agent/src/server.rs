@@ -23,7 +23,7 @@ use kvfabric_proto::pb::peer_agent_server::PeerAgentServer;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
@@ -32,10 +32,13 @@ use tracing::{info, warn};
 use crate::config::AgentConfig;
 use crate::discovery;
 use crate::error::{Error, Result};
+use crate::incoming;
 use crate::local_api::LocalApi;
+use crate::message_limit;
 use crate::metrics::{Metrics, ServedLabels, SharedMetrics};
 use crate::node::{Node, NodeConfig};
 use crate::peer_api::PeerApi;
+use crate::peer_token::PeerToken;
 use crate::registry::{AgentEntry, SharedRegistry};
 use crate::telemetry::Telemetry;
 
@@ -127,6 +130,23 @@ pub struct Agent {
     fd_task: JoinHandle<()>,
     data_tasks: Vec<JoinHandle<kvfabric_engine::Result<()>>>,
     metrics_task: JoinHandle<std::io::Result<()>>,
+}
+
+/// Most connections each gRPC server keeps open at once.
+pub const MAX_LOCAL_CONNECTIONS: usize = 1024;
+pub const MAX_PEER_CONNECTIONS: usize = 1024;
+/// Largest request of a local API method other than Submit (a registration of many regions).
+pub const MAX_LOCAL_REQUEST_BYTES: usize = 1 << 20;
+const SUBMIT_METHOD: &str = "/kvfabric.v1.LocalAgent/Submit";
+
+/// A gRPC server with the agent's connection settings: dead peers are noticed by keepalives,
+/// and every request has a deadline.
+fn grpc_server() -> Server {
+    Server::builder()
+        .tcp_keepalive(Some(Duration::from_secs(60)))
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .max_concurrent_streams(Some(256))
 }
 
 fn advertise(config: &AgentConfig, devices: &discovery::Devices) -> IpAddr {
@@ -234,26 +254,45 @@ impl Agent {
         health
             .set_service_status("", ServingStatus::NotServing)
             .await;
+        let submit_limit = max_submit_bytes(config.max_batch_ops);
         let local_svc = LocalAgentServer::new(LocalApi { node: node.clone() })
-            .max_decoding_message_size(max_submit_bytes(config.max_batch_ops));
-        let peer_svc = PeerAgentServer::new(PeerApi { node: node.clone() })
-            .max_decoding_message_size(MAX_PEER_REQUEST_BYTES);
+            .max_decoding_message_size(submit_limit);
+        // The token is checked on the headers, before the body is read.
+        let peer_svc = InterceptedService::new(
+            PeerAgentServer::new(PeerApi { node: node.clone() })
+                .max_decoding_message_size(MAX_PEER_REQUEST_BYTES),
+            PeerToken::interceptor(config.peer_token.clone()),
+        );
+        let refused = node.metrics.accept_errors.clone();
         let api_tasks = vec![
             tokio::spawn(
-                Server::builder()
+                grpc_server()
+                    .layer(message_limit::layer(move |method| {
+                        if method == SUBMIT_METHOD {
+                            submit_limit
+                        } else {
+                            MAX_LOCAL_REQUEST_BYTES
+                        }
+                    }))
                     .add_service(health_svc.clone())
                     .add_service(local_svc)
                     .serve_with_incoming_shutdown(
-                        UnixListenerStream::new(listeners.local),
+                        incoming::capped(
+                            listeners.local,
+                            "local API",
+                            MAX_LOCAL_CONNECTIONS,
+                            refused.clone(),
+                        ),
                         stopped(api_rx.clone()),
                     ),
             ),
             tokio::spawn(
-                Server::builder()
+                grpc_server()
+                    .layer(message_limit::layer(|_| MAX_PEER_REQUEST_BYTES))
                     .add_service(health_svc)
                     .add_service(peer_svc)
                     .serve_with_incoming_shutdown(
-                        TcpListenerStream::new(listeners.peer),
+                        incoming::capped(listeners.peer, "peer API", MAX_PEER_CONNECTIONS, refused),
                         stopped(api_rx.clone()),
                     ),
             ),

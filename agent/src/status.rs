@@ -4,31 +4,41 @@
 pub use kvfabric_proto::status::{ConnectionRow, SegmentRow, StatusDoc};
 
 use crate::config::location_name;
+use kvfabric_engine::Location;
+
 use crate::node::Node;
 
+/// Every segment of the fabric the registry knows, and every segment registered here (published
+/// or, while the registry is unreachable, not yet).
 pub async fn collect(node: &Node) -> StatusDoc {
     let me = &node.config.name;
-    let segments = node
-        .registry
-        .segments()
-        .into_values()
+    let local: Vec<_> = node.local_segments();
+    let is_local = |name: &str| local.iter().any(|l| l.name == name);
+    let published = node.registry.segments();
+    let row = |name: String, agent: String, regions: Vec<(u64, Location)>, published: bool| {
+        let mut locations: Vec<String> = regions.iter().map(|r| location_name(r.1)).collect();
+        locations.dedup();
+        SegmentRow {
+            regions: regions.len(),
+            bytes: regions.iter().map(|r| r.0).sum(),
+            local: agent == *me && is_local(&name),
+            published,
+            name,
+            agent,
+            locations,
+        }
+    };
+    let mut segments: Vec<SegmentRow> = published
+        .values()
         .map(|s| {
-            let mut locations: Vec<String> = s
-                .regions
-                .iter()
-                .map(|r| location_name(r.location))
-                .collect();
-            locations.dedup();
-            SegmentRow {
-                regions: s.regions.len(),
-                bytes: s.regions.iter().map(|r| r.len).sum(),
-                local: &s.agent == me,
-                name: s.name,
-                agent: s.agent,
-                locations,
-            }
+            let regions = s.regions.iter().map(|r| (r.len, r.location)).collect();
+            row(s.name.clone(), s.agent.clone(), regions, true)
         })
         .collect();
+    for l in local.iter().filter(|l| !published.contains_key(&l.name)) {
+        let regions = l.regions.iter().map(|r| (r.len(), r.location())).collect();
+        segments.push(row(l.name.clone(), me.clone(), regions, false));
+    }
     let connections = node
         .links()
         .await

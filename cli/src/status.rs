@@ -68,7 +68,16 @@ pub fn render(doc: &StatusDoc) -> String {
     let mut segments = table(&["segment", "agent", "regions", "bytes", "where"]);
     for s in &doc.segments {
         segments.add_row(vec![
-            format!("{}{}", s.name, if s.local { " *" } else { "" }),
+            format!(
+                "{}{}{}",
+                s.name,
+                if s.local { " *" } else { "" },
+                if s.published {
+                    ""
+                } else {
+                    " (not yet in the registry)"
+                }
+            ),
             s.agent.clone(),
             s.regions.to_string(),
             human(s.bytes),

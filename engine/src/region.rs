@@ -178,6 +178,17 @@ impl Region {
                 "not a sealable memfd ({e}); create it with MFD_ALLOW_SEALING"
             ))
         })?;
+        // Transfers write into the memory: a file sealed against writes can never be used.
+        for (seal, name) in [
+            (SealFlags::WRITE, "F_SEAL_WRITE"),
+            (SealFlags::FUTURE_WRITE, "F_SEAL_FUTURE_WRITE"),
+        ] {
+            if seals.contains(seal) {
+                return Err(refuse(format!(
+                    "the memfd is sealed against writes ({name}); transfers write into it"
+                )));
+            }
+        }
         if !seals.contains(SealFlags::SHRINK) {
             fcntl_add_seals(&fd, SealFlags::SHRINK).map_err(|e| {
                 refuse(format!(
@@ -190,7 +201,9 @@ impl Region {
         if len == 0 {
             return Err(refuse("the file is empty".into()));
         }
-        let ptr = map_shared(fd.as_fd(), len, MapFlags::POPULATE)?;
+        // Mapped lazily: populating would allocate (and charge to this process's cgroup) every
+        // page the owner never touched, and stall the caller while it does.
+        let ptr = map_shared(fd.as_fd(), len, MapFlags::empty())?;
         Ok(Region::new(
             id,
             Location::Host { numa: None },
@@ -232,8 +245,9 @@ impl Region {
                 reason: "peer sent an empty file".into(),
             });
         }
-        // Fault the whole mapping in now, at connect time, not inside the first timed batches.
-        let ptr = map_shared(fd.as_fd(), len, MapFlags::POPULATE)?;
+        // Mapped lazily, for the reason `from_memfd` gives: the peer's pool may be mostly pages
+        // nobody touched yet.
+        let ptr = map_shared(fd.as_fd(), len, MapFlags::empty())?;
         let mut region = Region::new(
             id,
             Location::Host { numa: None },

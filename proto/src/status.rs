@@ -27,8 +27,15 @@ pub struct SegmentRow {
     pub regions: usize,
     pub bytes: u64,
     pub locations: Vec<String>,
-    /// Registered with this agent.
+    /// Registered with this agent (its memory is mapped here).
     pub local: bool,
+    /// In the registry. A local segment that is not is waiting for the registry to answer.
+    #[serde(default = "yes")]
+    pub published: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -63,6 +63,10 @@ pub struct RegisterSegmentResponse {
     pub key: u64,
     #[prost(message, repeated, tag = "3")]
     pub regions: ::prost::alloc::vec::Vec<RegionInfo>,
+    /// In the registry now. False while the registry is unreachable: the agent keeps the segment
+    /// and publishes it as soon as the registry answers again.
+    #[prost(bool, tag = "4")]
+    pub published: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

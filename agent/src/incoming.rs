@@ -1,0 +1,225 @@
+//! Accept loops for the agent's gRPC servers: a cap on open connections, a deadline for a new
+//! connection's first byte (one that never speaks gives its slot back), and a back-off when the
+//! process is out of file descriptors. At the fd limit `accept` fails at once, again and
+//! again; a loop that retries straight away spins a core and floods the log, and one that
+//! gives up stops serving. Here it sleeps (10 ms doubling to 1 s), logs once a second at most,
+//! and serves again as soon as descriptors are free.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use prometheus_client::metrics::counter::Counter;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::transport::server::Connected;
+use tracing::warn;
+
+/// Errors that say "no resources now", after which accepting again later works.
+pub fn is_resource_exhaustion(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// How a failing accept loop waits and logs.
+#[derive(Debug)]
+pub struct AcceptBackoff {
+    what: &'static str,
+    delay: Duration,
+    last_log: Option<Instant>,
+    suppressed: u64,
+}
+
+impl AcceptBackoff {
+    const FIRST: Duration = Duration::from_millis(10);
+    const MAX: Duration = Duration::from_secs(1);
+    const LOG_EVERY: Duration = Duration::from_secs(1);
+
+    pub fn new(what: &'static str) -> Self {
+        AcceptBackoff {
+            what,
+            delay: Self::FIRST,
+            last_log: None,
+            suppressed: 0,
+        }
+    }
+
+    /// After a failed accept: how long to wait before the next one (logged, at most once per
+    /// second with the count of errors not logged meanwhile).
+    pub fn failed(&mut self, e: &io::Error) -> Duration {
+        if self.last_log.is_none_or(|t| t.elapsed() >= Self::LOG_EVERY) {
+            warn!(
+                socket = self.what,
+                error = %e,
+                suppressed = self.suppressed,
+                "accept failed; backing off"
+            );
+            self.last_log = Some(Instant::now());
+            self.suppressed = 0;
+        } else {
+            self.suppressed += 1;
+        }
+        let wait = if is_resource_exhaustion(e) {
+            self.delay
+        } else {
+            Self::FIRST
+        };
+        self.delay = (self.delay * 2).min(Self::MAX);
+        wait
+    }
+
+    pub fn succeeded(&mut self) {
+        self.delay = Self::FIRST;
+    }
+}
+
+/// How long a new connection may stay silent before it is closed.
+pub const FIRST_BYTE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// An accepted connection that holds one of its listener's connection slots until it closes,
+/// and is cut if its first byte does not come in time.
+#[derive(Debug)]
+pub struct Capped<T> {
+    io: T,
+    _slot: OwnedSemaphorePermit,
+    first_byte: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Capped<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
+        let Some(deadline) = self.first_byte.as_mut() else {
+            return polled;
+        };
+        match polled {
+            Poll::Ready(Ok(())) if buf.filled().len() > before => self.first_byte = None,
+            Poll::Pending if deadline.as_mut().poll(cx).is_ready() => {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no byte within the first-byte deadline",
+                )));
+            }
+            _ => {}
+        }
+        polled
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Capped<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl<T: Connected> Connected for Capped<T> {
+    type ConnectInfo = T::ConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+/// Something that accepts connections (a TCP or Unix listener).
+pub trait Accept: Send + 'static {
+    type Io: Send + 'static;
+    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<Self::Io>>;
+}
+
+impl Accept for TcpListener {
+    type Io = TcpStream;
+    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<TcpStream>> {
+        TcpListener::poll_accept(self, cx).map_ok(|(s, _)| s)
+    }
+}
+
+impl Accept for UnixListener {
+    type Io = UnixStream;
+    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<UnixStream>> {
+        UnixListener::poll_accept(self, cx).map_ok(|(s, _)| s)
+    }
+}
+
+/// The connections a listener accepts, at most `cap` open at once (the next one is accepted
+/// when one closes; until then the kernel's backlog holds it), backing off on accept errors.
+pub fn capped<L: Accept>(
+    listener: L,
+    what: &'static str,
+    cap: usize,
+    refused: Counter,
+) -> impl Stream<Item = io::Result<Capped<L::Io>>> {
+    let slots = Arc::new(Semaphore::new(cap));
+    futures::stream::unfold(
+        (listener, slots, AcceptBackoff::new(what), refused),
+        |(listener, slots, mut backoff, refused)| async move {
+            let slot = slots.clone().acquire_owned().await.ok()?;
+            loop {
+                match std::future::poll_fn(|cx| listener.poll_accept(cx)).await {
+                    Ok(io) => {
+                        backoff.succeeded();
+                        let conn = Capped {
+                            io,
+                            _slot: slot,
+                            first_byte: Some(Box::pin(tokio::time::sleep(FIRST_BYTE_DEADLINE))),
+                        };
+                        return Some((Ok(conn), (listener, slots, backoff, refused)));
+                    }
+                    Err(e) => {
+                        refused.inc();
+                        tokio::time::sleep(backoff.failed(&e)).await;
+                    }
+                }
+            }
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resource_errors_back_off_exponentially_to_a_second() {
+        let mut b = AcceptBackoff::new("test");
+        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
+        let waits: Vec<Duration> = (0..10).map(|_| b.failed(&emfile)).collect();
+        assert_eq!(waits[0], Duration::from_millis(10));
+        assert_eq!(waits[1], Duration::from_millis(20));
+        assert_eq!(*waits.last().unwrap(), Duration::from_secs(1));
+        b.succeeded();
+        assert_eq!(b.failed(&emfile), Duration::from_millis(10));
+        // Other errors (a peer that reset before accept) retry soon.
+        let reset = io::Error::from_raw_os_error(libc::ECONNABORTED);
+        assert_eq!(b.failed(&reset), Duration::from_millis(10));
+    }
+}

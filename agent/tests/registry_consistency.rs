@@ -1,0 +1,202 @@
+//! The registry and the agent agree about which segments exist after any interleaving of
+//! registrations, deregistrations (also racing each other on one name) and etcd going away and
+//! coming back: once etcd answers again, a segment is registered with the agent exactly when
+//! its key is in etcd. Random sequences against a real etcd (Debian's `etcd-server`); each
+//! sequence's seed is printed, so a failure can be replayed with `KVFABRIC_SEED`.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use kvfabric_agent::registry::{EtcdConfig, EtcdRegistry};
+use kvfabric_agent::telemetry::Telemetry;
+use kvfabric_client::{Client, HostMemory, Segment};
+use kvfabric_testkit::{EtcdServer, InProcessAgent};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tonic::Code;
+
+const NAMES: [&str; 4] = ["seg-a", "seg-b", "seg-c", "seg-d"];
+const STEPS: usize = 40;
+const TTL: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Register(usize),
+    Deregister(usize),
+    /// A registration and a deregistration of the same name at once.
+    Race(usize),
+    EtcdDown,
+    EtcdUp,
+}
+
+fn step(rng: &mut SmallRng) -> Step {
+    let n = rng.random_range(0..NAMES.len());
+    match rng.random_range(0..10) {
+        0..=3 => Step::Register(n),
+        4..=5 => Step::Deregister(n),
+        6..=7 => Step::Race(n),
+        8 => Step::EtcdDown,
+        _ => Step::EtcdUp,
+    }
+}
+
+/// Codes an operation may end with in this test; anything else is a bug.
+fn expected(code: Code) -> bool {
+    matches!(
+        code,
+        Code::AlreadyExists | Code::NotFound | Code::Unavailable | Code::DeadlineExceeded
+    )
+}
+
+fn check<T>(what: &str, r: kvfabric_client::Result<T>) -> Option<T> {
+    match r {
+        Ok(v) => Some(v),
+        Err(e) => {
+            let code = e.code().unwrap_or(Code::Unknown);
+            assert!(expected(code), "{what}: unexpected {e}");
+            None
+        }
+    }
+}
+
+async fn etcd_segments(etcd: &EtcdServer, root: &str) -> BTreeSet<String> {
+    let mut kv = etcd.client().await.unwrap();
+    let prefix = format!("{root}segments/");
+    let resp = kv
+        .get(
+            prefix.clone(),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only(),
+            ),
+        )
+        .await
+        .unwrap();
+    resp.kvs()
+        .iter()
+        .map(|kv| {
+            kv.key_str()
+                .unwrap()
+                .trim_start_matches(&prefix)
+                .to_string()
+        })
+        .collect()
+}
+
+async fn run(seed: u64) {
+    let mut etcd = match EtcdServer::start().await {
+        Ok(etcd) => etcd,
+        Err(e @ kvfabric_testkit::Error::EtcdNotFound { .. }) => {
+            return eprintln!("skipped: no etcd binary ({e})");
+        }
+        Err(e) => panic!("etcd did not start: {e}"),
+    };
+    let mut cfg = EtcdConfig::new([etcd.endpoint()], "consistency");
+    cfg.lease_ttl = TTL;
+    cfg.connect_timeout = Duration::from_secs(1);
+    let root = cfg.root();
+    let registry = EtcdRegistry::connect(cfg).await.unwrap();
+    let mut config = InProcessAgent::config("node-a");
+    config.fabric = "consistency".into();
+    let agent = InProcessAgent::start(config, registry, Telemetry::default())
+        .await
+        .unwrap();
+    let client = Client::connect(agent.socket_dir()).await.unwrap();
+    let memory: Vec<HostMemory> = NAMES
+        .iter()
+        .map(|_| HostMemory::alloc(64 << 10).unwrap())
+        .collect();
+    let mut held: Vec<Option<Segment>> = vec![None; NAMES.len()];
+    let mut up = true;
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for i in 0..STEPS {
+        let s = step(&mut rng);
+        match s {
+            Step::Register(n) => {
+                if let Some(seg) = check(
+                    "register",
+                    client.register(NAMES[n], &[&memory[n]], None).await,
+                ) {
+                    held[n] = Some(seg);
+                }
+            }
+            Step::Deregister(n) => {
+                if let Some(seg) = held[n].clone()
+                    && check("deregister", client.deregister(&seg).await).is_some()
+                {
+                    held[n] = None;
+                }
+            }
+            Step::Race(n) => {
+                let old = held[n].clone();
+                let regions = [&memory[n]];
+                let (reg, dereg) = tokio::join!(client.register(NAMES[n], &regions, None), async {
+                    match &old {
+                        Some(seg) => Some(client.deregister(seg).await),
+                        None => None,
+                    }
+                });
+                if let Some(seg) = check("race register", reg) {
+                    held[n] = Some(seg);
+                } else if let Some(r) = dereg
+                    && check("race deregister", r).is_some()
+                {
+                    held[n] = None;
+                }
+            }
+            Step::EtcdDown if up => {
+                etcd.stop().await.unwrap();
+                up = false;
+            }
+            Step::EtcdUp if !up => {
+                etcd.start_again().await.unwrap();
+                up = true;
+            }
+            _ => {}
+        }
+        eprintln!("seed {seed} step {i}: {s:?}");
+    }
+    if !up {
+        etcd.start_again().await.unwrap();
+    }
+    // Quiet now: once etcd has caught up, both sides hold the same set.
+    let start = Instant::now();
+    loop {
+        let status = client.status().await.unwrap();
+        let local: BTreeSet<String> = status
+            .segments
+            .iter()
+            .filter(|s| s.local)
+            .map(|s| s.name.clone())
+            .collect();
+        let ghosts: Vec<_> = status
+            .segments
+            .iter()
+            .filter(|s| s.agent == "node-a" && !s.local)
+            .map(|s| s.name.clone())
+            .collect();
+        let stored = etcd_segments(&etcd, &root).await;
+        if local == stored && ghosts.is_empty() {
+            break;
+        }
+        assert!(
+            start.elapsed() < TTL * 5,
+            "seed {seed}: the agent holds {local:?}, etcd has {stored:?}, ghosts {ghosts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    agent.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn agent_and_registry_agree_after_random_interleavings() {
+    let seeds: Vec<u64> = match std::env::var("KVFABRIC_SEED") {
+        Ok(s) => vec![s.parse().expect("KVFABRIC_SEED is a number")],
+        Err(_) => (0..4).map(|_| rand::random()).collect(),
+    };
+    for seed in seeds {
+        eprintln!("sequence with seed {seed}");
+        run(seed).await;
+    }
+}
