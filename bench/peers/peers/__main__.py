@@ -47,6 +47,7 @@ def _work_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inflight", type=int, default=4)
     p.add_argument("--seconds", type=float, default=6.0, help="timed seconds per row (3 runs)")
     p.add_argument("--latency", action="store_true", help="add one 4 KiB read, one op in flight")
+    p.add_argument("--latency-only", action="store_true", help="only the one-op 4 KiB read")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -83,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             sides.serve(a.engine, Link(a.transport, a.host, a.device), token)
             return 0
         plan = runner.Plan(
-            a.blocks, a.ops, a.pool_bytes, a.batch_bytes, a.inflight, a.seconds, a.latency
+            [] if a.latency_only else a.blocks,
+            a.ops,
+            a.pool_bytes,
+            a.batch_bytes,
+            a.inflight,
+            a.seconds,
+            a.latency or a.latency_only,
         )
         for shape in plan.shapes():
             shape.validate()

@@ -39,7 +39,18 @@ def version() -> str:
     return "not installed"
 
 
+# Its tcp transport rejects a transfer ("queue-full", and the batch fails) once more than 1024
+# wait for one peer; a row keeps 4 batches of up to 4096 block ops queued. 65535 (its largest)
+# is what deployments of it on tcp set.
+TCP_QUEUES = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+}
+
+
 def _protocol(link: Link) -> str:
+    for key, value in TCP_QUEUES.items():
+        os.environ.setdefault(key, value)
     if link.transport == "tcp":
         os.environ["MC_FORCE_TCP"] = "1"
         return "tcp"

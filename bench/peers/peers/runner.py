@@ -289,7 +289,42 @@ def kvfabric_rows(binary: str, path: PathSpec, plan: Plan) -> list[dict[str, Any
     return rows
 
 
+def row_timeout(shape: Shape) -> float:
+    """How long one peer row may take: its timed seconds, warm-up, fill and check of two pools."""
+    return 3 * shape.seconds + 60 + 30 * shape.pool_bytes / (1 << 30)
+
+
+class PeerTarget:
+    """A peer's target process for one path; started again after a row that did not end
+    cleanly (its engine may still hold that row's transfers)."""
+
+    def __init__(
+        self, engine: str, path: PathSpec, env: dict[str, str], me: list[str], link: list[str]
+    ) -> None:
+        self.argv = _on(path.server_ns, [*me, "serve", *link, "--host", path.server_host])
+        self.env = env
+        self.engine = engine
+        self.proc: Proc | None = None
+        self.control: str | None = None
+
+    def address(self) -> tuple[str | None, str]:
+        if self.proc is None:
+            self.proc = Proc(self.argv, self.env)
+            announced = self.proc.announcement(120)
+            if announced is None:
+                self.proc.stop()
+                return None, f"{self.engine} target {self.proc.why()}"
+            self.control = str(announced["control"])
+        return self.control, ""
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+        self.proc = None
+
+
 def peer_rows(engine: str, path: PathSpec, plan: Plan, progress: bool) -> list[dict[str, Any]]:
+    """One initiator process per row, so an engine that stalls or crashes costs that row only."""
     token = secrets.token_hex(16)
     here = str(Path(__file__).resolve().parent.parent)
     env = {
@@ -302,53 +337,60 @@ def peer_rows(engine: str, path: PathSpec, plan: Plan, progress: bool) -> list[d
     link = ["--engine", engine, "--transport", path.transport]
     if path.device is not None:
         link += ["--device", str(path.device)]
-    shapes = plan.shapes()
-    server = Proc(_on(path.server_ns, [*me, "serve", *link, "--host", path.server_host]), env)
+    target = PeerTarget(engine, path, env, me, link)
+    rows = []
     try:
-        announced = server.announcement(120)
-        if announced is None:
-            server.stop()
-            why = f"{engine} target {server.why()}"
-            return [{**_row_base(engine, path, s), "error": why} for s in shapes]
-        control = str(announced["control"])
-        argv = [
-            *me,
-            "drive",
-            *link,
-            "--host",
-            path.client_host,
-            "--connect",
-            control,
-            "--path",
-            path.name,
-            "--blocks",
-            ",".join(str(b) for b in plan.blocks),
-            "--ops",
-            ",".join(plan.ops),
-            "--pool-bytes",
-            str(plan.pool_bytes),
-            "--batch-bytes",
-            str(plan.batch_bytes),
-            "--inflight",
-            str(plan.inflight),
-            "--seconds",
-            str(plan.seconds),
-        ]
-        if plan.latency:
-            argv.append("--latency")
-        if not progress:
-            argv.append("--no-progress")
-        child = Proc(_on(path.client_ns, argv), env)
-        got = child.objects(len(shapes) * (plan.seconds + 240))
-        done = {(r["op"], r["block_size"], r["blocks_per_batch"]) for r in got}
-        for s in shapes:
-            if (s.op, s.block_size, s.per_batch) not in done:
-                got.append(
-                    {**_row_base(engine, path, s), "error": f"{engine} driver {child.why()}"}
-                )
-        return got
+        for shape in plan.shapes():
+            base = _row_base(engine, path, shape)
+            control, why = target.address()
+            if control is None:
+                rows.append({**base, "error": why})
+                continue
+            argv = [
+                *me,
+                "drive",
+                *link,
+                "--host",
+                path.client_host,
+                "--connect",
+                control,
+                "--path",
+                path.name,
+                "--blocks",
+                str(shape.block_size),
+                "--ops",
+                shape.op,
+                "--pool-bytes",
+                str(shape.pool_bytes),
+                "--inflight",
+                str(shape.inflight),
+                "--batch-bytes",
+                str(shape.batch_bytes),
+                "--seconds",
+                str(shape.seconds),
+            ]
+            if shape.per_batch == 1 and shape.inflight == 1:
+                argv = [
+                    *argv[: argv.index("--blocks")],
+                    "--latency-only",
+                    *argv[argv.index("--pool-bytes") :],
+                ]
+            if not progress:
+                argv.append("--no-progress")
+            child = Proc(_on(path.client_ns, argv), env)
+            limit = row_timeout(shape)
+            got = child.objects(limit)
+            if got:
+                rows.append(got[-1])
+            else:
+                killed = child.p.returncode in (-signal.SIGTERM, -signal.SIGKILL)
+                late = f"no result within {limit:.0f} s; " if killed else ""
+                rows.append({**base, "error": f"{engine} driver {late}{child.why()}"})
+            if rows[-1].get("error"):
+                target.stop()
     finally:
-        server.stop()
+        target.stop()
+    return rows
 
 
 def run(
