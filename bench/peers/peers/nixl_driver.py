@@ -36,7 +36,9 @@ def env_for(link: Link) -> dict[str, str]:
             env["UCX_NET_DEVICES"] = "lo"
         return env
     if link.transport == "shm":
-        return {"UCX_TLS": "sm"}
+        # NIXL's UCX backend cannot start on shared memory alone (its setup needs tcp); with
+        # both, UCX moves the data through shared memory and cross-memory attach.
+        return {"UCX_TLS": "sm,tcp"}
     if link.transport == "ipc":
         # With its defaults UCX never reads through CUDA IPC on one GPU (it falls back to a
         # tcp "software emulation" when it sees no NVLink); these two make it.

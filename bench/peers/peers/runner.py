@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import secrets
 import select
 import signal
@@ -23,6 +24,8 @@ from .errors import Kind, PeerError
 from .work import Shape
 
 LATENCY_BLOCK = 4096
+# A progress bar's line (bench/peers' tqdm format), left out of error messages.
+_BAR = re.compile(r"\d+\.\d/\d+\.\d s\s*$")
 # The engines' own logs at warnings and up (NIXL logs to stdout, Mooncake's glog to stderr);
 # values already in the environment win.
 QUIET = {
@@ -156,7 +159,7 @@ class Proc:
 
     def why(self) -> str:
         code = self.p.poll()
-        said = " | ".join(x for x in self.tail if x.strip())[-600:]
+        said = " | ".join(x.strip() for x in self.tail if x.strip() and not _BAR.search(x))[-600:]
         return f"exited with {code}: {said}" if code else f"ended early: {said}"
 
     def stop(self) -> None:
@@ -306,14 +309,21 @@ class PeerTarget:
         self.engine = engine
         self.proc: Proc | None = None
         self.control: str | None = None
+        self.refused = ""
 
     def address(self) -> tuple[str | None, str]:
+        """The target's control address, or None and why; a target that could not start is not
+        started again for the path's other rows."""
+        if self.refused:
+            return None, self.refused
         if self.proc is None:
             self.proc = Proc(self.argv, self.env)
             announced = self.proc.announcement(120)
             if announced is None:
                 self.proc.stop()
-                return None, f"{self.engine} target {self.proc.why()}"
+                self.refused = f"{self.engine} target {self.proc.why()}"
+                self.proc = None
+                return None, self.refused
             self.control = str(announced["control"])
         return self.control, ""
 
@@ -321,6 +331,7 @@ class PeerTarget:
         if self.proc is not None:
             self.proc.stop()
         self.proc = None
+        self.control = None
 
 
 def peer_rows(engine: str, path: PathSpec, plan: Plan, progress: bool) -> list[dict[str, Any]]:

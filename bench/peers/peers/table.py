@@ -15,10 +15,14 @@ def _latency(r: dict[str, Any]) -> bool:
     return bool(r["blocks_per_batch"] == 1 and r["inflight"] == 1)
 
 
+def _failed(r: dict[str, Any]) -> bool:
+    return r.get("error") is not None or r.get("gbps") is None or r.get("p50_us") is None
+
+
 def _cell(r: dict[str, Any] | None) -> str:
     if r is None:
         return "-"
-    if r.get("error"):
+    if _failed(r):
         return "failed"
     if _latency(r):
         text = f"{r['p50_us']:.1f}/{r['p99_us']:.1f} µs"
@@ -28,7 +32,7 @@ def _cell(r: dict[str, Any] | None) -> str:
 
 
 def _ratio(ours: dict[str, Any] | None, theirs: dict[str, Any] | None) -> str:
-    ok = [r for r in (ours, theirs) if r is not None and not r.get("error")]
+    ok = [r for r in (ours, theirs) if r is not None and not _failed(r)]
     if len(ok) < 2 or ours is None or theirs is None:
         return "-"
     if _latency(ours):
@@ -63,15 +67,15 @@ def render(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in table]
     out.insert(1, "  ".join("-" * w for w in widths))
-    versions = sorted({f"{r['engine']} {r.get('version', '')}".strip() for r in rows})
+    versions = sorted({f"{r['engine']} {r['version']}" for r in rows if r.get("version")})
     notes = [
         "GB/s (batch p50); one-op rows p50/p99; kvf/peer: GB/s ratio, or p50 ratio for one op",
         "versions: " + "; ".join(versions),
     ]
     failures = [
-        f"  {r['engine']} {r['path']} {r['op']} {size(r['block_size'])}: {r['error']}"
+        f"  {r['engine']} {r['path']} {r['op']} {size(r['block_size'])}: {r.get('error')}"
         for r in rows
-        if r.get("error")
+        if _failed(r)
     ]
     if failures:
         notes.append("failed rows:")
