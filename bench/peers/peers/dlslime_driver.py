@@ -6,8 +6,10 @@ length) assignments, one per block.
 Its future tracks completion in a 32-bit mask, one bit per assignment (`1 << i`), so a future of
 more than 32 assignments can report done while some are still moving: a batch is therefore
 posted as futures of at most 32 assignments and is done when all of them are. Each assignment
-takes a pooled TCP connection of its own (a new one when none is idle), which is why the
-namespaces it runs in need `net.ipv4.tcp_tw_reuse=1`.
+takes a TCP connection of its own, connected synchronously inside `read`/`write` when none is
+idle (here: thousands per row, left in TIME-WAIT), which is why the namespaces it runs in need
+`net.ipv4.tcp_tw_reuse=1`, and why a 16 or 64 KiB row (4096 or 1024 connections a batch) can
+stall in its accept backlog of 64.
 
 The PyPI wheel is built without CUDA (`_BUILD_NVLINK` false, no cudart): it has no GPU path, and
 GPU memory handed to its TCP endpoint would be read as host memory — refused here instead."""

@@ -136,17 +136,17 @@ class Initiator:
 
     def wait(self, handle: object, deadline: float) -> None:
         h: Any = handle
-        try:
-            while True:
-                state = self.agent.check_xfer_state(h)
-                if state == "DONE":
-                    return
-                if state == "ERR":
-                    raise PeerError(Kind.ENGINE, "nixl check_xfer_state", "ERR")
-                if time.monotonic() > deadline:
-                    raise PeerError(Kind.TIMEOUT, "nixl batch", "not done by its deadline")
-        finally:
-            h.release()
+        while True:
+            state = self.agent.check_xfer_state(h)
+            if state == "DONE":
+                h.release()
+                return
+            if state == "ERR":
+                h.release()
+                raise PeerError(Kind.ENGINE, "nixl check_xfer_state", "ERR")
+            if time.monotonic() > deadline:
+                # Still in flight: NIXL refuses to release it; the row's pool is kept.
+                raise PeerError(Kind.TIMEOUT, "nixl batch", "not done by its deadline")
 
     def detach(self) -> None:
         for dl in (self.local, self.remote):
