@@ -14,7 +14,12 @@
 #    1 MiB blocks, read and write (`tcp` mode runs only these after the correctness steps);
 #    `ipc` runs the cuda-ipc sweep and latency rows only, `peers` only step 4 (each fits one
 #    10-minute device call);
-# 4. the peers of shared/tools/gpu_baselines.py in the same job (PyTorch, NCCL);
+# 4. the peers of shared/tools/gpu_baselines.py in the same job (PyTorch, NCCL); in `peers` mode
+#    also the real peers on one GPU (bench/peers, as scripts/peer-bench.sh on the CPU): NIXL,
+#    Mooncake TE and DLSlime next to kvfabric on exactly its work, GPU memory on cuda:0, two
+#    processes — same GPU through CUDA IPC (path `ipc`) and GPU memory over tcp loopback
+#    (`gpu-tcp`). Their wheels come from scripts/fetch-gpu-peer-wheels.sh (PEER_WHEELS, default
+#    .whl beside scripts/); rows into $OUT/peers/ (rows.jsonl, table.txt);
 # 5. a short table, last, with gpu-tcp / host-tcp ratios. JSON lines go to $OUT
 #    (kvfabric.jsonl, baselines.jsonl). TESTS_BIN names the engine's GPU test binary if it is
 #    not engine-cuda-tests beside this script.
@@ -145,6 +150,32 @@ if [[ "$ngpu" -ge 2 && "$mode" != tcp && "$mode" != ipc ]]; then
   if [[ "$mode" != quick ]]; then
     timeout 120 python3 "$here/gpu_baselines.py" --sizes 1048576 --iters 4 2>>"$log" |
       grep nccl >>"$OUT/baselines.jsonl" || echo "nccl baseline failed (see log.txt)" | tee -a "$log"
+  fi
+fi
+
+if [[ "$mode" == peers ]]; then
+  step "peer engines on cuda:0 (NIXL, Mooncake TE, DLSlime)"
+  wheels="${PEER_WHEELS:-$here/../.whl}"
+  site=/tmp/kvfabric-peers-site
+  if compgen -G "$wheels/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$wheels"/*.whl >>"$log" 2>&1 || echo "peer wheels did not install (see log.txt)" | tee -a "$log"
+  else
+    echo "no peer wheels in $wheels (scripts/fetch-gpu-peer-wheels.sh): peers will fail to import" | tee -a "$log"
+  fi
+  # Libraries the engines link that the image may lack (Debian packages fetched with the wheels).
+  libs=/tmp/kvfabric-peers-libs
+  for deb in "$wheels"/*.deb; do [[ -f "$deb" ]] && dpkg -x "$deb" "$libs"; done
+  peer_env=(PYTHONPATH="$here/../bench/peers:$site${PYTHONPATH:+:$PYTHONPATH}"
+            LD_LIBRARY_PATH="$libs/usr/lib/x86_64-linux-gnu:$libs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            PYTHONUNBUFFERED=1)
+  # 512 MiB batches (the GPU rows' shape) at random places of 4 GiB pools, 4 in flight.
+  if ! timeout "${PEERS_TIMEOUT:-480}" env "${peer_env[@]}" python3 -m peers run --kvfabric "$bin" \
+      --device 0 --paths "${PEER_PATHS:-ipc,gpu-tcp}" --blocks "${PEER_BLOCKS:-16K,64K,1M}" \
+      --pool-bytes 4GiB --batch-bytes 512MiB --inflight 4 --seconds "${PEER_SECONDS:-3}" --latency \
+      --no-progress --out "$OUT/peers" 2>>"$log"; then
+    echo "PEERS RUN FAILED (see log.txt)" | tee -a "$log"
+    failed=1
   fi
 fi
 
