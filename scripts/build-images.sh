@@ -22,12 +22,13 @@
 #   KVFABRIC_DEBIAN_MIRROR   Debian mirror (default http://deb.debian.org/debian)
 #   KVFABRIC_BASE_REFRESH=1  rebuild the cached base root filesystems (e.g. for security updates)
 set -euo pipefail
+shopt -s inherit_errexit
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 # Bump when the way a base rootfs is made changes, so cached ones are not reused.
-recipe=1
+recipe=3
 suite=bookworm
 arch=amd64
 mirror="${KVFABRIC_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
@@ -45,10 +46,10 @@ user=65532
 operator_pkgs=(libc6 libgcc-s1)
 agent_pkgs=(libc6 libgcc-s1 libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200)
 
-# Called by mmdebstrap as a customize hook: `__prune ROOTFS PKG...` removes the files of every
-# extracted package that is not listed (what apt pulled in only for maintainer scripts, which
-# the extract variant never runs: adduser, passwd, perl-base, debconf, …) and the docs, and
-# writes the users.
+# Called by mmdebstrap as an extract hook (the extract variant runs no customize hooks):
+# `__prune ROOTFS PKG...` removes the files of every extracted package that is not listed (what
+# apt pulled in only for maintainer scripts, which the extract variant never runs: adduser,
+# passwd, perl-base, debconf, …), the docs and the build host's files, and writes the users.
 if [[ "${1:-}" == "__prune" ]]; then
     rootfs="$2"
     shift 2
@@ -124,11 +125,23 @@ base_rootfs() { # name, packages... -> prints the cached tarball
     else
         step "base $name: mmdebstrap $suite ($*)"
         mkdir -p "$cache/rootfs"
+        # No device nodes in the layer: runtimes mount /dev, and rootless snapshotters cannot
+        # create them.
         mmdebstrap --quiet --mode=root --variant=extract --architectures="$arch" \
+            --skip=output/dev \
             --include="$(IFS=,; echo "$*")" \
-            --customize-hook="$root/scripts/build-images.sh __prune \"\$1\" $*" \
+            --extract-hook="$root/scripts/build-images.sh __prune \"\$1\" $*" \
             --format=tar "$suite" "$tarball.part" "$mirror" >&2
+        # mmdebstrap's own files and the build host's (apt sources, resolv.conf, hostname):
+        # runtimes mount resolv.conf and hostname, and nothing here runs apt.
+        local host_files
+        host_files="$(tar -tf "$tarball.part" | grep -E '^\./etc/(apt/|resolv\.conf|hostname|fstab)$' || true)"
+        if [[ -n "$host_files" ]]; then
+            # shellcheck disable=SC2086 # one member name per word
+            tar --delete -f "$tarball.part" $host_files
+        fi
         mv "$tarball.part" "$tarball"
+        find "$cache/rootfs" -name "$name-$suite-*.tar" -not -name "$(basename "$tarball")" -delete
     fi
     echo "$tarball"
 }
@@ -160,6 +173,9 @@ build_image() { # name ref base-tarball entrypoint cmd description binaries...
     for b in "$@"; do
         strip_into "$rel/$b" "$work/$name-app/rootfs/usr/local/bin/$b"
     done
+    # Commit-time mtimes, so the same commit gives the same layer.
+    find "$work/$name-app/rootfs" -newermt "@$SOURCE_DATE_EPOCH" \
+        -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
     umoci repack --image "$layout:build" --history.created "$created" \
         --history.created_by "scripts/build-images.sh" --history.comment "kvfabric $version binaries" \
         "$work/$name-app"
@@ -219,44 +235,48 @@ PY
 
 check_config() { # archive entrypoint cmd
     local archive="$1" entrypoint="$2" cmd="$3"
-    skopeo inspect --config "oci-archive:$archive" | python3 -c '
+    skopeo inspect --config "oci-archive:$archive" > "$work/config.json"
+    python3 - "$work/config.json" "$entrypoint" "$cmd" "$user" "$version" "$archive" <<'PY'
 import json, sys
-cfg = json.load(sys.stdin)
+path, entrypoint, cmd, user, version, archive = sys.argv[1:7]
+with open(path) as f:
+    cfg = json.load(f)
 c = cfg["config"]
-entrypoint, cmd, user, version, archive = sys.argv[1:6]
+labels = c.get("Labels") or {}
 problems = []
 if c.get("Entrypoint") != [entrypoint]:
-    problems.append(f"Entrypoint {c.get(\"Entrypoint\")} != [{entrypoint}]")
+    problems.append(f"Entrypoint {c.get('Entrypoint')} != [{entrypoint}]")
 if (c.get("Cmd") or []) != ([cmd] if cmd else []):
-    problems.append(f"Cmd {c.get(\"Cmd\")} != [{cmd}]")
+    problems.append(f"Cmd {c.get('Cmd')} != [{cmd}]")
 if c.get("User") != f"{user}:{user}":
-    problems.append(f"User {c.get(\"User\")} != {user}:{user}")
-labels = c.get("Labels") or {}
+    problems.append(f"User {c.get('User')} != {user}:{user}")
 for k in ("title", "description", "version", "revision", "created", "source", "licenses"):
     if not labels.get(f"org.opencontainers.image.{k}"):
         problems.append(f"label org.opencontainers.image.{k} missing")
 if labels.get("org.opencontainers.image.version") != version:
-    problems.append(f"label version {labels.get(\"org.opencontainers.image.version\")} != {version}")
+    problems.append(f"label version {labels.get('org.opencontainers.image.version')} != {version}")
 if cfg.get("os") != "linux" or cfg.get("architecture") != "amd64":
-    problems.append(f"platform {cfg.get(\"os\")}/{cfg.get(\"architecture\")}")
+    problems.append(f"platform {cfg.get('os')}/{cfg.get('architecture')}")
 if problems:
     sys.exit(f"build-images: {archive}: " + "; ".join(problems))
-print(f"build-images: {archive}: config ok (entrypoint {entrypoint}, user {c[\"User\"]}, {len(labels)} labels)", file=sys.stderr)
-' "$entrypoint" "$cmd" "$user" "$version" "$archive"
+print(f"build-images: {archive}: config ok (entrypoint {entrypoint}, cmd {c.get('Cmd')}, "
+      f"user {c['User']}, {len(labels)} labels)", file=sys.stderr)
+PY
 }
 
 # Unpacks an archive (from the archive itself, not the build tree) and runs commands in its
 # rootfs: new mount, PID, IPC, UTS and network namespaces, chroot, the image's user.
-run_in() { # archive -- command...
+run_in() { # archive command...   (RUN_AS=uid:gid overrides the image's user)
     local archive="$1"
     shift
     local dir="$work/check-$(basename "$archive" .oci.tar)"
     if [[ ! -d "$dir/bundle" ]]; then
+        mkdir -p "$dir"
         skopeo copy --quiet "oci-archive:$archive" "oci:$dir/oci:check"
         umoci unpack --image "$dir/oci:check" "$dir/bundle" >/dev/null
     fi
     unshare --fork --pid --mount --ipc --uts --net \
-        chroot --userspec="$user:$user" "$dir/bundle/rootfs" "$@"
+        chroot --userspec="${RUN_AS:-$user:$user}" "$dir/bundle/rootfs" "$@"
 }
 
 operator_base="$(base_rootfs operator "${operator_pkgs[@]}")"
@@ -292,12 +312,21 @@ expect "kvfabric-operator --version" "^kvfabric-operator $version\$" \
 # The image's own dynamic loader resolves the verbs library inside the image, nothing is
 # missing, and the NIC drivers libibverbs loads at run time are there.
 libs="$(run_in "$agent_archive" /lib64/ld-linux-x86-64.so.2 --list /usr/local/bin/kvfabric)"
-expect "ld.so --list kvfabric" "libibverbs.so.1 => /lib/x86_64-linux-gnu/libibverbs.so.1" "$libs"
+expect "ld.so --list kvfabric" "libibverbs.so.1 => /[a-z/]*x86_64-linux-gnu/libibverbs.so.1" "$libs"
 if grep -q "not found" <<<"$libs"; then
     echo "build-images: the agent image lacks a library: $libs" >&2
     exit 1
 fi
 agent_root="$work/check-kvfabric-agent-$tag/bundle/rootfs"
+# The init container's step, as the operator runs it: root, for the agent user and a socket
+# group, set-group-ID.
+RUN_AS=0:0 run_in "$agent_archive" /usr/local/bin/kvfabric-socket-dir \
+    --dir /tmp/sockets/llm/llama/prefill --uid "$user" --gid 2000 --mode 2750 >/dev/null
+got="$(stat -c '%u:%g %a' "$agent_root/tmp/sockets/llm/llama/prefill")"
+[[ "$got" == "$user:2000 2750" ]] || {
+    echo "build-images: kvfabric-socket-dir left the directory as $got" >&2
+    exit 1
+}
 operator_root="$work/check-kvfabric-operator-$tag/bundle/rootfs"
 for f in /etc/libibverbs.d/mlx5.driver /usr/lib/x86_64-linux-gnu/libibverbs/libmlx5-rdmav34.so; do
     [[ -e "$agent_root$f" ]] || {

@@ -54,6 +54,8 @@ operator="$CARGO_TARGET_DIR/debug/kvfabric-operator"
 for v in 1.29 1.35; do
     "$operator" render --kube-version "$v" --file "$chart/examples/prefill-decode.yaml" \
         > "$out/objects-example-$v.yaml"
+    "$operator" render --kube-version "$v" --file "$chart/examples/kind.yaml" \
+        > "$out/objects-kind-$v.yaml"
     "$operator" render --kube-version "$v" --file "$chart/ci/fabric-all-features.yaml" \
         > "$out/objects-all-features-$v.yaml"
 done
@@ -106,10 +108,13 @@ if failed:
 print(f"helm-check: {checked} documents valid against the Kubernetes {version} schemas (strict)", file=sys.stderr)
 PY
 }
-common=("$out/default.yaml" "$out/all-features.yaml" "$out/example-etcd.yaml" "$chart/examples/prefill-decode.yaml")
-validate 1.29.0 "${common[@]}" "$out/objects-example-1.29.yaml" "$out/objects-all-features-1.29.yaml"
-validate 1.35.0 "${common[@]}" "$out/objects-example-1.35.yaml" "$out/objects-all-features-1.35.yaml" \
-    "$out/objects-dra-1.35.yaml"
+common=("$out/default.yaml" "$out/all-features.yaml" "$out/example-etcd.yaml"
+    "$chart/examples/prefill-decode.yaml" "$chart/examples/kind.yaml")
+for v in 1.29 1.35; do
+    objects=("$out/objects-example-$v.yaml" "$out/objects-kind-$v.yaml" "$out/objects-all-features-$v.yaml")
+    [[ "$v" == 1.35 ]] && objects+=("$out/objects-dra-1.35.yaml")
+    validate "$v.0" "${common[@]}" "${objects[@]}"
+done
 
 # The chart's default images are exactly what scripts/build-images.sh builds.
 refs="$("$root/scripts/build-images.sh" --print-refs)"

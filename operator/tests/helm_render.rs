@@ -489,6 +489,8 @@ fn rendered_manifests_are_strictly_valid() {
         "all-features.yaml",
         "objects-example-1.29.yaml",
         "objects-example-1.35.yaml",
+        "objects-kind-1.29.yaml",
+        "objects-kind-1.35.yaml",
         "objects-all-features-1.29.yaml",
         "objects-all-features-1.35.yaml",
         "objects-dra-1.35.yaml",
@@ -618,6 +620,17 @@ fn examples_are_strictly_valid() {
         tf.spec.etcd.endpoints,
         vec!["http://etcd.kvfabric.svc:2379"],
         "the example fabric uses the example etcd"
+    );
+    let kind = documents(&chart.join("examples/kind.yaml"));
+    let kinds: Vec<String> = kind
+        .iter()
+        .map(|d| check(d, "examples/kind.yaml"))
+        .collect();
+    assert_eq!(kinds, vec!["Namespace", "TransferFabric"]);
+    let demo: TransferFabric = strict(&kind[1], "kind example");
+    assert!(
+        demo.spec.agent.rdma.is_none() && !demo.spec.agent.gpu.enabled,
+        "runs on a laptop"
     );
     for f in ["ci/fabric-all-features.yaml", "ci/fabric-dra.yaml"] {
         for d in documents(&chart.join(f)) {
