@@ -112,7 +112,7 @@ common=("$out/default.yaml" "$out/all-features.yaml" "$out/example-etcd.yaml"
     "$chart/examples/prefill-decode.yaml" "$chart/examples/kind.yaml")
 for v in 1.29 1.35; do
     objects=("$out/objects-example-$v.yaml" "$out/objects-kind-$v.yaml" "$out/objects-all-features-$v.yaml")
-    [[ "$v" == 1.35 ]] && objects+=("$out/objects-dra-1.35.yaml")
+    [[ "$v" == 1.35 ]] && objects+=("$out/objects-dra-1.35.yaml" "$chart/ci/dra-claim-templates.yaml")
     validate "$v.0" "${common[@]}" "${objects[@]}"
 done
 

@@ -53,10 +53,13 @@ pub mod env {
     pub const NVIDIA_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
     /// Driver libraries the NVIDIA toolkit injects (`compute,utility`: libcuda and nvidia-smi).
     pub const NVIDIA_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
+    /// Where the CUDA driver caches the kernels it JIT-compiles from the engine's PTX (the
+    /// root filesystem is read-only).
+    pub const CUDA_CACHE_PATH: &str = "CUDA_CACHE_PATH";
 
     /// Every name the operator may set; `spec.agent.env` may not set one of them, since the
     /// registry prefix, the socket directory and the addresses are what keep fabrics apart.
-    pub const RESERVED: [&str; 24] = [
+    pub const RESERVED: [&str; 25] = [
         NODE_NAME,
         POD_IP,
         POD_NAME,
@@ -81,6 +84,7 @@ pub mod env {
         PEER_TOKEN,
         NVIDIA_VISIBLE_DEVICES,
         NVIDIA_DRIVER_CAPABILITIES,
+        CUDA_CACHE_PATH,
     ];
 }
 
@@ -101,6 +105,8 @@ pub const LIVE_SERVICE: &str = "";
 
 /// The agent's socket directory inside its container (the host directory is per fabric and pool).
 pub const SOCKET_DIR: &str = "/var/run/kvfabric";
+/// A small emptyDir, the only writable place besides the socket directory.
+pub const TMP_DIR: &str = "/tmp";
 /// Where the etcd TLS Secret is mounted.
 pub const ETCD_TLS_MOUNT: &str = "/etc/kvfabric/etcd-tls";
 

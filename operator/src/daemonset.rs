@@ -4,10 +4,11 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapEnvSource, Container, ContainerPort, EnvFromSource, EnvVar,
-    EnvVarSource, GRPCAction, HostPathVolumeSource, LocalObjectReference, ObjectFieldSelector,
-    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceClaim, ResourceRequirements,
-    SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext, Volume, VolumeMount,
+    Capabilities, ConfigMapEnvSource, Container, ContainerPort, EmptyDirVolumeSource,
+    EnvFromSource, EnvVar, EnvVarSource, GRPCAction, HostPathVolumeSource, LocalObjectReference,
+    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceClaim,
+    ResourceRequirements, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext,
+    Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -34,6 +35,8 @@ pub const DEFAULT_CONTAINER_ANNOTATION: &str = "kubectl.kubernetes.io/default-co
 pub const AGENT_CONTAINER: &str = "agent";
 /// Name of the init container that prepares the socket directory.
 pub const SOCKET_DIR_CONTAINER: &str = "socket-dir";
+/// Size limit of the agent's `/tmp` (the CUDA JIT cache of a few kernels).
+pub const TMP_SIZE: &str = "256Mi";
 
 fn field_env(name: &str, path: &str) -> EnvVar {
     EnvVar {
@@ -111,6 +114,10 @@ fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
             &agent.gpu.visible_devices,
         ));
         env.push(value_env(e::NVIDIA_DRIVER_CAPABILITIES, "compute,utility"));
+        env.push(value_env(
+            e::CUDA_CACHE_PATH,
+            format!("{}/cuda-cache", contract::TMP_DIR),
+        ));
     }
     if let Some(secret) = &fabric.spec.etcd.auth_secret {
         env.push(secret_env(e::ETCD_USERNAME, secret, "username"));
@@ -207,7 +214,10 @@ fn agent_container(
     settings: &AgentSettings,
     configmap: String,
 ) -> Container {
-    let mut mounts = vec![mount("socket-dir", contract::SOCKET_DIR, false)];
+    let mut mounts = vec![
+        mount("socket-dir", contract::SOCKET_DIR, false),
+        mount("tmp", contract::TMP_DIR, false),
+    ];
     if fabric.spec.etcd.tls_secret.is_some() {
         mounts.push(mount("etcd-tls", contract::ETCD_TLS_MOUNT, true));
     }
@@ -319,7 +329,17 @@ pub fn desired_daemonset(
     let mut labels = fabric_labels(&name);
     labels.insert(POOL_LABEL.to_owned(), pool.name.clone());
 
-    let mut volumes = vec![socket_dir_volume(fabric, pool, settings)?];
+    let mut volumes = vec![
+        socket_dir_volume(fabric, pool, settings)?,
+        Volume {
+            name: "tmp".to_owned(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                size_limit: Some(Quantity(TMP_SIZE.to_owned())),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        },
+    ];
     if let Some(secret) = &fabric.spec.etcd.tls_secret {
         volumes.push(Volume {
             name: "etcd-tls".to_owned(),
@@ -810,6 +830,17 @@ mod tests {
             Some("compute,utility")
         );
         assert_eq!(
+            val(c, "CUDA_CACHE_PATH").as_deref(),
+            Some("/tmp/cuda-cache")
+        );
+        assert!(
+            c.volume_mounts
+                .iter()
+                .flatten()
+                .any(|m| m.mount_path == "/tmp" && m.name == "tmp"),
+            "the JIT cache needs a writable /tmp on a read-only root"
+        );
+        assert_eq!(
             annotations(&ds).get(CDI_ANNOTATION).map(String::as_str),
             Some("nvidia.com/gpu=all")
         );
@@ -862,7 +893,7 @@ mod tests {
             .iter()
             .map(|v| v.name.clone())
             .collect();
-        assert_eq!(vols, vec!["socket-dir", "etcd-tls"]);
+        assert_eq!(vols, vec!["socket-dir", "tmp", "etcd-tls"]);
         for v in pod(&ds).volumes.iter().flatten() {
             if let Some(hp) = &v.host_path {
                 assert!(hp.path.starts_with("/var/run/kvfabric/"), "{}", hp.path);
