@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# Lints and renders the Helm chart (default values, and every optional feature on), then runs the
-# Rust test that parses every rendered document strictly into its Kubernetes type.
+# Checks the Helm chart and every object the operator builds, without a cluster:
+#   1. helm lint --strict and helm template: default values, and every optional feature on;
+#   2. `kvfabric-operator render` of the example fabric and of the all-features fabrics (the
+#      objects the controller would apply, from the same builders);
+#   3. every rendered document validated strictly (unknown fields are errors) against the
+#      Kubernetes 1.29 and 1.35 schemas with PyPI's kubernetes-validate (offline, cached venv);
+#   4. the chart's default image names are the ones scripts/build-images.sh builds;
+#   5. operator/tests/helm_render.rs: typed round trips, RBAC, security contexts, CEL rules.
 #
 #   KVFABRIC_RENDERED_DIR  where rendered manifests go (default <workspace>/target/helm-rendered)
 set -euo pipefail
@@ -12,6 +18,7 @@ all_on="$chart/ci/all-features-values.yaml"
 
 bin="$("$root/scripts/install-helm.sh")"
 export PATH="$bin:$PATH"
+python="$("$root/scripts/install-kubernetes-validate.sh")"
 
 out="${KVFABRIC_RENDERED_DIR:-$root/target/helm-rendered}"
 rm -rf "$out"
@@ -24,12 +31,102 @@ helm template kvfabric "$chart" --namespace kvfabric --include-crds \
     > "$out/default.yaml"
 helm template kvfabric "$chart" --namespace kvfabric --include-crds -f "$all_on" \
     > "$out/all-features.yaml"
-echo "helm-check: rendered into $out" >&2
 
-# replicas > 1 without leader election must be refused at render time.
-if helm template kvfabric "$chart" --set replicas=2 > /dev/null 2>&1; then
-    echo "helm-check: replicas=2 without leader election rendered, expected a failure" >&2
+refuse() { # what, then the command that must fail
+    local what="$1"
+    shift
+    if "$@" > /dev/null 2>&1; then
+        echo "helm-check: $what rendered, expected a failure" >&2
+        exit 1
+    fi
+}
+# replicas > 1 without leader election, and an unknown uninstall mode, are refused at render time.
+refuse "replicas=2 without leader election" helm template kvfabric "$chart" --set replicas=2
+refuse "uninstall.fabrics=Keep" helm template kvfabric "$chart" --set uninstall.fabrics=Keep
+# The chart refuses Kubernetes older than 1.29 (kubeVersion) and accepts 1.29.
+refuse "kube-version 1.28" helm template kvfabric "$chart" --kube-version 1.28.0
+helm template kvfabric "$chart" --kube-version 1.29.0 > /dev/null
+
+# The operator's own objects, from its builders.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
+cargo build --quiet -p kvfabric-operator --bin kvfabric-operator
+operator="$CARGO_TARGET_DIR/debug/kvfabric-operator"
+for v in 1.29 1.35; do
+    "$operator" render --kube-version "$v" --file "$chart/examples/prefill-decode.yaml" \
+        > "$out/objects-example-$v.yaml"
+    "$operator" render --kube-version "$v" --file "$chart/examples/kind.yaml" \
+        > "$out/objects-kind-$v.yaml"
+    "$operator" render --kube-version "$v" --file "$chart/ci/fabric-all-features.yaml" \
+        > "$out/objects-all-features-$v.yaml"
+done
+"$operator" render --kube-version 1.35 --file "$chart/ci/fabric-dra.yaml" > "$out/objects-dra-1.35.yaml"
+# DRA in its GA shape needs 1.31: for an older API server the operator must refuse, naming why.
+if dra_old="$("$operator" render --kube-version 1.29 --file "$chart/ci/fabric-dra.yaml" 2>&1)"; then
+    echo "helm-check: the DRA fabric rendered for Kubernetes 1.29, expected a refusal" >&2
     exit 1
 fi
+grep -q "spec.agent.resourceClaims.*1.31" <<<"$dra_old" || {
+    echo "helm-check: unexpected refusal of the DRA fabric for 1.29: $dra_old" >&2
+    exit 1
+}
+cp "$chart/examples/etcd.yaml" "$out/example-etcd.yaml"
+echo "helm-check: rendered into $out" >&2
+
+# Strict schema validation. Custom kinds (TransferFabric, ServiceMonitor) have no bundled schema:
+# helm_render.rs checks them; any other kind without a schema is an error.
+validate() { # version, files...
+    local version="$1"
+    shift
+    "$python" - "$version" "$@" <<'PY'
+import sys
+import yaml
+import kubernetes_validate
+from kubernetes_validate.utils import SchemaNotFoundError, ValidationError
+
+CUSTOM = {("kvfabric.io/v1alpha1", "TransferFabric"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+version, files = sys.argv[1], sys.argv[2:]
+checked, failed = 0, 0
+for path in files:
+    with open(path) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    for d in docs:
+        what = f"{path}: {d.get('kind')} {d.get('metadata', {}).get('name')}"
+        if (d.get("apiVersion"), d.get("kind")) in CUSTOM:
+            continue
+        try:
+            kubernetes_validate.validate(d, version, strict=True)
+            checked += 1
+        except ValidationError as e:
+            failed += 1
+            path_in_doc = ".".join(str(p) for p in e.absolute_path)
+            print(f"helm-check: {what} is invalid for Kubernetes {version} at {path_in_doc}: {e.message}", file=sys.stderr)
+        except SchemaNotFoundError as e:
+            failed += 1
+            print(f"helm-check: {what}: {e.message}", file=sys.stderr)
+if failed:
+    sys.exit(f"helm-check: {failed} document(s) failed the Kubernetes {version} schemas")
+print(f"helm-check: {checked} documents valid against the Kubernetes {version} schemas (strict)", file=sys.stderr)
+PY
+}
+common=("$out/default.yaml" "$out/all-features.yaml" "$out/example-etcd.yaml"
+    "$chart/examples/prefill-decode.yaml" "$chart/examples/kind.yaml")
+for v in 1.29 1.35; do
+    objects=("$out/objects-example-$v.yaml" "$out/objects-kind-$v.yaml" "$out/objects-all-features-$v.yaml")
+    [[ "$v" == 1.35 ]] && objects+=("$out/objects-dra-1.35.yaml" "$chart/ci/dra-claim-templates.yaml")
+    validate "$v.0" "${common[@]}" "${objects[@]}"
+done
+
+# The chart's default images are exactly what scripts/build-images.sh builds.
+refs="$("$root/scripts/build-images.sh" --print-refs)"
+operator_ref="$(sed -n 's/^operator //p' <<<"$refs")"
+agent_ref="$(sed -n 's/^agent //p' <<<"$refs")"
+grep -q "image: \"$operator_ref\"" "$out/default.yaml" || {
+    echo "helm-check: the chart's default operator image is not $operator_ref" >&2
+    exit 1
+}
+grep -q -- "--agent-image=$agent_ref\$" "$out/default.yaml" || {
+    echo "helm-check: the chart's default agent image is not $agent_ref" >&2
+    exit 1
+}
 
 KVFABRIC_RENDERED_DIR="$out" cargo test -p kvfabric-operator --test helm_render -- --nocapture

@@ -28,15 +28,24 @@ pub enum Error {
     },
 }
 
+/// Longest value echoed in an error; longer ones are cut, since a spec field can be large.
+pub const MAX_ECHOED: usize = 80;
+
 impl Error {
-    pub(crate) fn invalid(
+    /// An invalid field, its value cut to [`MAX_ECHOED`] characters.
+    pub fn invalid(
         field: impl Into<String>,
         value: impl std::fmt::Display,
         reason: impl Into<String>,
     ) -> Self {
+        let mut value = value.to_string();
+        if let Some((cut, _)) = value.char_indices().nth(MAX_ECHOED) {
+            value.truncate(cut);
+            value.push('…');
+        }
         Self::InvalidField {
             field: field.into(),
-            value: value.to_string(),
+            value,
             reason: reason.into(),
         }
     }

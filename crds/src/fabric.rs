@@ -2,7 +2,10 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Affinity, EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, PodResourceClaim, ResourceRequirements, Toleration,
+};
+use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
 use schemars::{JsonSchema, Schema};
@@ -16,8 +19,8 @@ pub const GROUP: &str = "kvfabric.io";
 pub const VERSION: &str = "v1alpha1";
 /// Default root of the registry keys in etcd.
 pub const DEFAULT_KEY_PREFIX: &str = "/kvfabric";
-/// Default host directory for the agent's Unix socket, shared with the workers on the node.
-pub const DEFAULT_SOCKET_DIR: &str = "/var/run/kvfabric";
+/// Longest `spec.etcd.keyPrefix`, the leading slash included.
+pub const MAX_KEY_PREFIX: usize = 64;
 
 /// A kvfabric deployment: agent pools on labelled nodes, the etcd registry they share, and the
 /// transports they may use.
@@ -52,6 +55,10 @@ pub struct TransferFabricSpec {
     #[serde(default)]
     pub agent: AgentSpec,
 
+    /// The NetworkPolicy in front of the agents.
+    #[serde(default)]
+    pub network_policy: NetworkPolicySpec,
+
     /// Transports in order of preference; the agent picks the first one both ends support.
     #[schemars(length(min = 1, max = 4))]
     #[serde(default = "default_transports")]
@@ -63,8 +70,8 @@ pub struct TransferFabricSpec {
 
     /// Secret whose `token` (at least 16 printable ASCII characters) the agents of this fabric
     /// present to each other's peer API, which hands out region keys. Without it, whoever
-    /// reaches an agent's peer port can learn them (the chart's NetworkPolicy keeps other pods
-    /// out).
+    /// reaches an agent's peer port can learn them (the fabric's NetworkPolicy keeps other pods
+    /// out, but not on the host network).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer_token_secret: Option<String>,
 
@@ -125,58 +132,29 @@ pub struct Pool {
     pub affinity: Option<Affinity>,
 }
 
-/// Image pull policy of the agent container.
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PullPolicy {
-    /// Pull on every start.
-    Always,
-    /// Pull when the node lacks the image.
-    IfNotPresent,
-    /// Never pull.
-    Never,
-}
-
-impl PullPolicy {
-    /// The Kubernetes spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PullPolicy::Always => "Always",
-            PullPolicy::IfNotPresent => "IfNotPresent",
-            PullPolicy::Never => "Never",
-        }
-    }
-}
-
-/// How the agent pods are built.
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
-#[schemars(transform = require_agent_fields)]
+/// How the agent pods are built. The image, the host directory of the sockets and the pods'
+/// users are the operator's settings, not fields here: whoever may create a TransferFabric must
+/// not choose what runs, or which host path is mounted, on the GPU nodes.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(
+    validation = Rule::new("!(has(self.hostNetwork) && self.hostNetwork && has(self.networks) && size(self.networks) > 0)").message("Multus never attaches networks to a hostNetwork pod: set hostNetwork false, or drop networks"),
+    validation = Rule::new("!has(self.resourceClaims) || self.resourceClaims.all(c, has(c.resourceClaimName) != has(c.resourceClaimTemplateName))").message("each resourceClaims entry names exactly one of resourceClaimName and resourceClaimTemplateName"),
+    validation = Rule::new("!has(self.rdma) || (has(self.rdma.resources) && size(self.rdma.resources) > 0) || (has(self.resourceClaims) && size(self.resourceClaims) > 0)").message("rdma needs its devices: name device plugin resources in rdma.resources, or resourceClaims that allocate them")
+)]
 #[serde(rename_all = "camelCase")]
 pub struct AgentSpec {
-    /// Agent container image.
-    #[schemars(length(min = 1))]
-    #[serde(default)]
-    pub image: String,
-
-    /// Pull policy of the agent image.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image_pull_policy: Option<PullPolicy>,
-
-    /// CPU / memory of the agent container. RDMA devices are added from `rdma`; a GPU is never
-    /// requested (see `gpu`).
+    /// CPU / memory of the agent container. RDMA devices are added from `rdma` and DRA claims
+    /// from `resourceClaims`; a GPU is never requested (see `gpu`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
 
-    /// Run in the node's network namespace (RDMA and TCP peers then see node addresses).
+    /// Run in the node's network namespace (RoCE on the host's interfaces; TCP peers then see
+    /// node addresses). NetworkPolicies do not apply to such pods: set `peerTokenSecret`.
     #[serde(default)]
     pub host_network: bool,
 
-    /// Share the node's IPC namespace. CUDA IPC and shm between a worker pod and the agent need a
-    /// common /dev/shm: either both use hostIPC, or both mount the same hostPath as /dev/shm
-    /// (`shm.medium: HostPath`). Off by default because the hostPath route needs no extra privilege.
-    #[serde(default, rename = "hostIPC")]
-    pub host_ipc: bool,
-
-    /// Extra environment variables of the agent container.
+    /// Extra environment variables of the agent container (tuning such as `KVFABRIC_LOG` or
+    /// `KVFABRIC_RDMA_DEVICES`); the variables the operator sets itself are refused.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<EnvVar>,
 
@@ -184,61 +162,64 @@ pub struct AgentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority_class_name: Option<String>,
 
-    /// RDMA devices from a device plugin; no RDMA when absent.
+    /// RDMA: devices from device plugins (or from `resourceClaims`), and the memory locking
+    /// that registering buffers needs. No RDMA when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaSpec>,
 
-    /// Secondary networks (Multus `k8s.v1.cni.cncf.io/networks`), e.g. SR-IOV networks.
+    /// Secondary networks (Multus `k8s.v1.cni.cncf.io/networks`), e.g. the SR-IOV networks of
+    /// the VF pools in `rdma`. Not with `hostNetwork`.
+    #[schemars(length(max = 16))]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub networks: Vec<String>,
 
-    /// GPU access through the NVIDIA container runtime, without requesting `nvidia.com/gpu`.
+    /// Dynamic Resource Allocation claims of the agent pods (Kubernetes 1.31 or later), e.g. RDMA
+    /// NICs or, with `adminAccess`, every GPU of the node. Each becomes a pod `resourceClaims`
+    /// entry and a container `resources.claims` entry. A DaemonSet's pods run on many nodes, so
+    /// name a ResourceClaimTemplate.
+    #[schemars(length(max = 8))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resource_claims: Vec<PodResourceClaim>,
+
+    /// GPU access for mapping the workers' GPU memory, without requesting `nvidia.com/gpu`.
     #[serde(default)]
     pub gpu: GpuSpec,
 
-    /// The /dev/shm the agent uses for the shm transport.
+    /// Ownership and mode of the agent's Unix sockets, which the workers on the node open.
     #[serde(default)]
-    pub shm: ShmSpec,
-
-    /// Host directory for the agent's Unix socket; workers mount the same path.
-    #[serde(default = "default_socket_dir")]
-    pub socket_dir: String,
+    pub sockets: SocketSpec,
 }
 
-fn default_socket_dir() -> String {
-    DEFAULT_SOCKET_DIR.to_owned()
-}
-
-impl Default for AgentSpec {
-    fn default() -> Self {
-        Self {
-            image: String::new(),
-            image_pull_policy: None,
-            resources: None,
-            host_network: false,
-            host_ipc: false,
-            env: Vec::new(),
-            priority_class_name: None,
-            rdma: None,
-            networks: Vec::new(),
-            gpu: GpuSpec::default(),
-            shm: ShmSpec::default(),
-            socket_dir: default_socket_dir(),
-        }
-    }
-}
-
-/// RDMA devices taken from a device plugin.
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+/// RDMA devices taken from device plugins, one extended resource per rail.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct RdmaSpec {
-    /// Extended resource name, e.g. `rdma/hca_shared_devices_a` (shared RDMA device plugin) or
-    /// `nvidia.com/mlnx_sriov_rdma` (SR-IOV device plugin VF pool).
-    #[schemars(length(min = 1))]
+    /// Extended resources, e.g. `rdma/rdma_shared_device_a` (NVIDIA network-operator's shared
+    /// RDMA device plugin) or `nvidia.com/sriov_rdma_rail0` and `nvidia.com/sriov_rdma_rail1`
+    /// (two SR-IOV device plugin VF pools of a multi-rail node). Empty when `resourceClaims`
+    /// allocate the NICs.
+    #[schemars(length(max = 16))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["resourceName"]))]
+    #[serde(default)]
+    pub resources: Vec<RdmaResource>,
+}
+
+/// One extended resource of an RDMA device plugin.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RdmaResource {
+    /// Extended resource name, `<domain>/<name>`.
+    #[schemars(
+        length(min = 3, max = 253),
+        regex(
+            pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+        )
+    )]
     pub resource_name: String,
 
     /// How many devices each agent requests.
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 64))]
     #[serde(default = "default_rdma_count")]
     pub count: i64,
 }
@@ -247,9 +228,9 @@ fn default_rdma_count() -> i64 {
     1
 }
 
-/// GPU visibility the way the NVIDIA GPU operator's own node DaemonSets get it: the `nvidia`
-/// runtime class plus `NVIDIA_VISIBLE_DEVICES`, so the agent can map worker GPU memory without
-/// taking a schedulable GPU away from the workloads.
+/// How the agent sees the node's GPUs. It must see every GPU whose memory a worker registers,
+/// but it never requests `nvidia.com/gpu`, so every GPU stays schedulable for the workers: this
+/// is the "GPU management container" case of the NVIDIA GPU Operator.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuSpec {
@@ -257,17 +238,23 @@ pub struct GpuSpec {
     #[serde(default)]
     pub enabled: bool,
 
-    /// RuntimeClass that injects the NVIDIA container runtime hook.
-    #[serde(default = "default_runtime_class")]
-    pub runtime_class_name: String,
-
-    /// Value of `NVIDIA_VISIBLE_DEVICES`.
+    /// Value of `NVIDIA_VISIBLE_DEVICES`. The GPU Operator's NRI plugin (25.10 or later,
+    /// `cdi.nriPluginEnabled`), its `nvidia` RuntimeClass, or the NVIDIA runtime as the node's
+    /// default runtime inject the GPUs it names.
     #[serde(default = "default_visible_devices")]
     pub visible_devices: String,
-}
 
-fn default_runtime_class() -> String {
-    "nvidia".to_owned()
+    /// RuntimeClass of the agent pods, e.g. `nvidia` where the GPU Operator runs without its NRI
+    /// plugin; none by default, since clusters with the NRI plugin have no such class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_class_name: Option<String>,
+
+    /// Fully qualified CDI device names (e.g. `nvidia.com/gpu=all`), put in the pod annotation
+    /// `cdi.k8s.io/kvfabric-agent` for container runtimes that inject CDI devices from pod
+    /// annotations.
+    #[schemars(length(max = 16))]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cdi_devices: Vec<String>,
 }
 
 fn default_visible_devices() -> String {
@@ -278,53 +265,103 @@ impl Default for GpuSpec {
     fn default() -> Self {
         Self {
             enabled: false,
-            runtime_class_name: default_runtime_class(),
             visible_devices: default_visible_devices(),
+            runtime_class_name: None,
+            cdi_devices: Vec::new(),
         }
     }
 }
 
-/// Where the agent's /dev/shm comes from.
+/// Who may open the agent's sockets.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum ShmMedium {
-    /// A tmpfs emptyDir private to the agent pod.
+pub enum SocketMode {
+    /// Only the agent's own user.
+    #[serde(rename = "0600")]
+    Owner,
+    /// The agent's user and members of `group` (the workers, through `supplementalGroups`).
     #[default]
-    Memory,
-    /// A host directory that worker pods mount too, so shm segments are shared.
-    HostPath,
+    #[serde(rename = "0660")]
+    Group,
+    /// Every process that can reach the directory on the node.
+    #[serde(rename = "0666")]
+    World,
 }
 
-/// The agent's /dev/shm volume.
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+impl SocketMode {
+    /// The CRD spelling, an octal file mode.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SocketMode::Owner => "0600",
+            SocketMode::Group => "0660",
+            SocketMode::World => "0666",
+        }
+    }
+
+    /// Mode of the directory that holds the sockets: searchable by exactly those who may open
+    /// them, and set-group-ID so that the sockets inherit its group.
+    pub fn directory_mode(self) -> u32 {
+        match self {
+            SocketMode::Owner => 0o700,
+            SocketMode::Group => 0o2750,
+            SocketMode::World => 0o2755,
+        }
+    }
+}
+
+/// Ownership and mode of the agent's Unix sockets.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
-pub struct ShmSpec {
-    /// emptyDir (Memory) or hostPath.
+pub struct SocketSpec {
+    /// Group id of the socket directory and sockets; workers that use the agent add it to their
+    /// `securityContext.supplementalGroups`.
+    #[schemars(range(min = 1, max = 2147483647))]
+    #[serde(default = "default_socket_group")]
+    pub group: i64,
+
+    /// File mode of the sockets.
     #[serde(default)]
-    pub medium: ShmMedium,
-
-    /// Size limit of the Memory emptyDir, a Kubernetes quantity.
-    #[serde(default = "default_shm_size")]
-    pub size_limit: String,
-
-    /// Host directory used when `medium` is `HostPath`.
-    #[serde(default = "default_shm_host_path")]
-    pub host_path: String,
+    pub mode: SocketMode,
 }
 
-fn default_shm_size() -> String {
-    "1Gi".to_owned()
+/// Default group of the agent's sockets: the agent image's own group.
+pub const DEFAULT_SOCKET_GROUP: i64 = 65532;
+
+fn default_socket_group() -> i64 {
+    DEFAULT_SOCKET_GROUP
 }
 
-fn default_shm_host_path() -> String {
-    "/dev/shm".to_owned()
-}
-
-impl Default for ShmSpec {
+impl Default for SocketSpec {
     fn default() -> Self {
         Self {
-            medium: ShmMedium::Memory,
-            size_limit: default_shm_size(),
-            host_path: default_shm_host_path(),
+            group: DEFAULT_SOCKET_GROUP,
+            mode: SocketMode::Group,
+        }
+    }
+}
+
+/// The NetworkPolicy the operator puts in front of the agents.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkPolicySpec {
+    /// Create the policy `<fabric>-agents`: the peer API and the data port admit only this
+    /// fabric's agents, the metrics port admits `metricsFrom`.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+
+    /// Who may scrape the agents' metrics port; every source when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub metrics_from: Vec<NetworkPolicyPeer>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl Default for NetworkPolicySpec {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            metrics_from: Vec::new(),
         }
     }
 }
@@ -347,7 +384,13 @@ pub struct EtcdSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth_secret: Option<String>,
 
-    /// Root of this fabric's keys; the agents write under `<keyPrefix>/<fabric>/`.
+    /// Root of the registry keys, one path segment: the agents write under
+    /// `<keyPrefix>/<namespace>/<fabric>/`, so fabrics named alike in two namespaces never share
+    /// keys.
+    #[schemars(
+        length(min = 2, max = 64),
+        regex(pattern = r"^/[A-Za-z0-9]([-A-Za-z0-9._]*[A-Za-z0-9])?$")
+    )]
     #[serde(default = "default_key_prefix")]
     pub key_prefix: String,
 }
@@ -414,6 +457,9 @@ pub struct PoolStatus {
     pub desired: i32,
     /// Agents that are ready.
     pub ready: i32,
+    /// Host directory of this pool's agent sockets, which its workers mount.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket_dir: Option<String>,
 }
 
 /// Marks `fields` required in an object schema and drops their defaults.
@@ -449,11 +495,7 @@ fn require(schema: &mut Schema, fields: &[&str]) {
 }
 
 fn require_spec_fields(schema: &mut Schema) {
-    require(schema, &["pools", "agent", "etcd"]);
-}
-
-fn require_agent_fields(schema: &mut Schema) {
-    require(schema, &["image"]);
+    require(schema, &["pools", "etcd"]);
 }
 
 fn require_etcd_fields(schema: &mut Schema) {

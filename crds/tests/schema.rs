@@ -80,12 +80,15 @@ fn names_scope_and_printer_columns() {
 #[test]
 fn required_fields() {
     let s = schema();
-    assert!(required(&s, "properties.spec").contains(&"pools".to_owned()));
-    assert!(required(&s, "properties.spec").contains(&"agent".to_owned()));
-    assert!(required(&s, "properties.spec").contains(&"etcd".to_owned()));
-    assert_eq!(
-        required(&s, "properties.spec.properties.agent"),
-        vec!["image"]
+    let spec = required(&s, "properties.spec");
+    assert!(spec.contains(&"pools".to_owned()));
+    assert!(spec.contains(&"etcd".to_owned()));
+    // The image is the operator's setting: nothing of the agent is required.
+    assert!(!spec.contains(&"agent".to_owned()));
+    assert!(
+        at(&s, "properties.spec.properties.agent.properties")
+            .get("image")
+            .is_none()
     );
     assert_eq!(
         required(&s, "properties.spec.properties.etcd"),
@@ -93,18 +96,38 @@ fn required_fields() {
     );
     assert!(required(&s, "properties.spec.properties.pools.items").contains(&"name".to_owned()));
     assert_eq!(
-        required(&s, "properties.spec.properties.agent.properties.rdma"),
+        required(
+            &s,
+            "properties.spec.properties.agent.properties.rdma.properties.resources.items"
+        ),
         vec!["resourceName"]
     );
     // Required fields carry no default, or the apiserver would fill them in.
     for p in [
-        "properties.spec.properties.agent",
         "properties.spec.properties.etcd",
         "properties.spec.properties.pools",
-        "properties.spec.properties.agent.properties.image",
         "properties.spec.properties.etcd.properties.endpoints",
     ] {
         assert!(at(&s, p).get("default").is_none(), "{p} has a default");
+    }
+}
+
+#[test]
+fn no_host_path_or_image_field_is_left() {
+    // Whoever may create a TransferFabric must not pick a host path or the image of the agents.
+    let agent = at(&schema(), "properties.spec.properties.agent.properties").clone();
+    for gone in [
+        "image",
+        "imagePullPolicy",
+        "socketDir",
+        "shm",
+        "hostIPC",
+        "volumes",
+    ] {
+        assert!(
+            agent.get(gone).is_none(),
+            "spec.agent.{gone} is still there"
+        );
     }
 }
 
@@ -121,28 +144,44 @@ fn enums() {
         &json!(["Prefill", "Decode", "Both"])
     );
     assert_eq!(
-        at(&s, &format!("{spec}.agent.properties.imagePullPolicy.enum")),
-        &json!(["Always", "IfNotPresent", "Never"])
-    );
-    assert_eq!(
         at(
             &s,
-            &format!("{spec}.agent.properties.shm.properties.medium.enum")
+            &format!("{spec}.agent.properties.sockets.properties.mode.enum")
         ),
-        &json!(["Memory", "HostPath"])
+        &json!(["0600", "0660", "0666"])
     );
 }
 
 #[test]
-fn ranges_and_sizes() {
+fn ranges_sizes_and_list_maps() {
     let s = schema();
     let spec = "properties.spec.properties";
+    let rdma = format!("{spec}.agent.properties.rdma.properties.resources");
     assert_eq!(
-        at(
-            &s,
-            &format!("{spec}.agent.properties.rdma.properties.count.minimum")
-        ),
+        at(&s, &format!("{rdma}.items.properties.count.minimum")),
         &json!(1.0)
+    );
+    assert_eq!(
+        at(&s, &format!("{rdma}.items.properties.count.maximum")),
+        &json!(64.0)
+    );
+    assert_eq!(at(&s, &format!("{rdma}.maxItems")), &json!(16));
+    assert_eq!(
+        at(&s, &format!("{rdma}.x-kubernetes-list-type")),
+        &json!("map")
+    );
+    assert_eq!(
+        at(&s, &format!("{rdma}.x-kubernetes-list-map-keys")),
+        &json!(["resourceName"])
+    );
+    let claims = format!("{spec}.agent.properties.resourceClaims");
+    assert_eq!(
+        at(&s, &format!("{claims}.x-kubernetes-list-type")),
+        &json!("map")
+    );
+    assert_eq!(
+        at(&s, &format!("{claims}.x-kubernetes-list-map-keys")),
+        &json!(["name"])
     );
     assert_eq!(
         at(
@@ -170,10 +209,91 @@ fn ranges_and_sizes() {
         at(&s, &format!("{spec}.etcd.properties.endpoints.minItems")),
         &json!(1)
     );
-    assert_eq!(
-        at(&s, &format!("{spec}.agent.properties.image.minLength")),
-        &json!(1)
+    let group = format!("{spec}.agent.properties.sockets.properties.group");
+    assert_eq!(at(&s, &format!("{group}.minimum")), &json!(1.0));
+    assert_eq!(at(&s, &format!("{group}.maximum")), &json!(2147483647.0));
+}
+
+fn pattern(s: &Value, path: &str) -> regex::Regex {
+    let p = at(s, path)["pattern"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{path} has no pattern"));
+    regex::Regex::new(p).expect("the pattern compiles")
+}
+
+/// The schema's patterns agree with the operator's own checks (`TransferFabricSpec::problems`),
+/// so what the apiserver admits is what the operator accepts.
+#[test]
+fn patterns_agree_with_the_operator_checks() {
+    use kvfabric_crds::{EtcdSpec, RdmaResource, RdmaSpec, TransferFabricSpec};
+    let s = schema();
+    let spec = "properties.spec.properties";
+    let prefix = pattern(&s, &format!("{spec}.etcd.properties.keyPrefix"));
+    let rdma = pattern(
+        &s,
+        &format!("{spec}.agent.properties.rdma.properties.resources.items.properties.resourceName"),
     );
+    let base = || TransferFabricSpec {
+        pools: vec![kvfabric_crds::Pool {
+            name: "p".into(),
+            ..Default::default()
+        }],
+        agent: Default::default(),
+        network_policy: Default::default(),
+        transports: kvfabric_crds::Transport::KNOWN.to_vec(),
+        etcd: EtcdSpec {
+            endpoints: vec!["http://e:2379".into()],
+            ..EtcdSpec::default()
+        },
+        peer_token_secret: None,
+        tracing: None,
+    };
+    for v in [
+        "/kvfabric",
+        "/a",
+        "/kv-fabric.prod_1",
+        "kvfabric",
+        "/",
+        "/kvfabric/",
+        "/kv/ns",
+        "/-x",
+        "/x-",
+        "/ü",
+    ] {
+        let mut f = base();
+        f.etcd.key_prefix = v.into();
+        assert_eq!(
+            prefix.is_match(v),
+            f.validate().is_ok(),
+            "keyPrefix {v:?}: schema and operator disagree"
+        );
+    }
+    for v in [
+        "rdma/rdma_shared_device_a",
+        "nvidia.com/sriov_rdma_rail0",
+        "a.b/C-d.e",
+        "no-domain",
+        "Upper/x",
+        "a/-x",
+        "a/x-",
+        "a/b c",
+        "a//b",
+        "/x",
+        "a/",
+    ] {
+        let mut f = base();
+        f.agent.rdma = Some(RdmaSpec {
+            resources: vec![RdmaResource {
+                resource_name: v.into(),
+                count: 1,
+            }],
+        });
+        assert_eq!(
+            rdma.is_match(v),
+            f.validate().is_ok(),
+            "resourceName {v:?}: schema and operator disagree"
+        );
+    }
 }
 
 #[test]
@@ -185,22 +305,26 @@ fn defaults() {
         &json!("/kvfabric")
     );
     let gpu = format!("{spec}.agent.properties.gpu.properties");
-    assert_eq!(
-        at(&s, &format!("{gpu}.runtimeClassName.default")),
-        &json!("nvidia")
+    assert!(
+        at(&s, &format!("{gpu}.runtimeClassName"))
+            .get("default")
+            .is_none(),
+        "no RuntimeClass by default: GPU Operator clusters with the NRI plugin have none"
     );
     assert_eq!(
         at(&s, &format!("{gpu}.visibleDevices.default")),
         &json!("all")
     );
     assert_eq!(at(&s, &format!("{gpu}.enabled.default")), &json!(false));
+    let sockets = format!("{spec}.agent.properties.sockets.properties");
+    assert_eq!(at(&s, &format!("{sockets}.group.default")), &json!(65532));
+    assert_eq!(at(&s, &format!("{sockets}.mode.default")), &json!("0660"));
     assert_eq!(
-        at(&s, &format!("{spec}.agent.properties.socketDir.default")),
-        &json!("/var/run/kvfabric")
-    );
-    assert_eq!(
-        at(&s, &format!("{spec}.agent.properties.hostIPC.default")),
-        &json!(false)
+        at(
+            &s,
+            &format!("{spec}.networkPolicy.properties.enabled.default")
+        ),
+        &json!(true)
     );
 }
 
@@ -258,7 +382,7 @@ fn good() -> Value {
         "metadata": {"name": "tf", "namespace": "ns"},
         "spec": {
             "pools": [{"name": "prefill", "role": "Prefill"}, {"name": "decode", "role": "Decode"}],
-            "agent": {"image": "kvfabric/agent:0.1.0"},
+            "agent": {"hostNetwork": false, "networks": ["sriov-rail0"]},
             "transports": ["rdma", "tcp"],
             "etcd": {"endpoints": ["http://etcd:2379"]}
         }
@@ -298,6 +422,46 @@ fn cel_rejects_non_dns_pool_names() {
     o["spec"]["pools"][0]["name"] = json!("Pre_fill");
     let err = cel(&o).expect_err("bad name must fail");
     assert!(err.contains("DNS labels"), "{err}");
+}
+
+#[test]
+fn cel_rejects_multus_networks_on_the_host_network() {
+    let mut o = good();
+    o["spec"]["agent"]["hostNetwork"] = json!(true);
+    let err = cel(&o).expect_err("hostNetwork with networks must fail");
+    assert!(err.contains("hostNetwork"), "{err}");
+    o["spec"]["agent"]["networks"] = json!([]);
+    cel(&o).expect("hostNetwork alone is fine");
+}
+
+#[test]
+fn cel_rejects_a_claim_without_exactly_one_source() {
+    let mut o = good();
+    o["spec"]["agent"]["resourceClaims"] =
+        json!([{"name": "nics", "resourceClaimTemplateName": "rdma-nics"}]);
+    cel(&o).expect("a template claim is fine");
+    o["spec"]["agent"]["resourceClaims"] = json!([{"name": "nics"}]);
+    let err = cel(&o).expect_err("a claim naming nothing must fail");
+    assert!(err.contains("exactly one"), "{err}");
+    o["spec"]["agent"]["resourceClaims"] =
+        json!([{"name": "nics", "resourceClaimName": "a", "resourceClaimTemplateName": "b"}]);
+    let err = cel(&o).expect_err("a claim naming both must fail");
+    assert!(err.contains("exactly one"), "{err}");
+}
+
+#[test]
+fn cel_rejects_rdma_without_devices() {
+    let mut o = good();
+    o["spec"]["agent"]["rdma"] = json!({"resources": []});
+    let err = cel(&o).expect_err("rdma with no devices must fail");
+    assert!(err.contains("rdma needs its devices"), "{err}");
+    o["spec"]["agent"]["rdma"] =
+        json!({"resources": [{"resourceName": "rdma/rdma_shared_device_a", "count": 1}]});
+    cel(&o).expect("device plugin resources");
+    o["spec"]["agent"]["rdma"] = json!({});
+    o["spec"]["agent"]["resourceClaims"] =
+        json!([{"name": "nics", "resourceClaimTemplateName": "rdma-nics"}]);
+    cel(&o).expect("NICs from DRA");
 }
 
 #[test]

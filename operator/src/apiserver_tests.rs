@@ -20,6 +20,7 @@ use tokio::task::JoinHandle;
 use tower_test::mock;
 
 use crate::backoff::Backoff;
+use crate::config::AgentSettings;
 use crate::finalizer::{CleanupPolicy, EtcdAccess, EtcdTls, FINALIZER, RegistryCleaner};
 use crate::fixtures::{NS, UID, full};
 use crate::meta::MANAGER;
@@ -71,8 +72,16 @@ struct State {
     ds_status: (i32, i32),
     /// TransferFabric list answers 404 (CRD missing).
     crd_missing: bool,
-    /// What a TransferFabric list returns.
-    listed: Option<TransferFabric>,
+    /// What a TransferFabric list returns; DELETE and merge PATCH act on it.
+    listed: Vec<TransferFabric>,
+    /// A DELETE of a listed fabric removes it at once, as a running operator's finalizer would.
+    finalize_on_delete: bool,
+    /// Pods a pod list returns.
+    pods: Vec<Value>,
+    /// Core v1 Events an event list returns (filtered by `involvedObject.name`).
+    core_events: Vec<Value>,
+    /// The NetworkPolicy a GET by name finds.
+    network_policy: Option<Value>,
     /// The coordination.k8s.io Lease, once created.
     lease: Option<Value>,
     /// Secrets a GET by name finds.
@@ -178,7 +187,12 @@ impl Fake {
                     .filter(|s| !s.is_empty())
                     .map(|kv| {
                         let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-                        (k.to_owned(), v.replace("%2F", "/").replace("%3D", "="))
+                        (
+                            k.to_owned(),
+                            v.replace("%2F", "/")
+                                .replace("%3D", "=")
+                                .replace("%2C", ","),
+                        )
                     })
                     .collect();
                 let s = Seen {
@@ -247,7 +261,102 @@ impl Fake {
                 if s.method == Method::GET && s.param("watch") == Some("true") {
                     // Watches stay open and quiet, like an API server with no changes.
                     hung.push(send);
-                } else if p.ends_with("/events") && s.method == Method::POST {
+                    continue;
+                }
+                let list = |items: Vec<Value>| {
+                    json!({"apiVersion": "v1", "kind": "List",
+                           "metadata": {"resourceVersion": "1"}, "items": items})
+                };
+                if p.ends_with("/pods") && s.method == Method::GET {
+                    respond(send, StatusCode::OK, &list(state.pods.clone()));
+                    continue;
+                }
+                if p.starts_with("/api/v1/") && p.ends_with("/events") && s.method == Method::GET {
+                    let wanted = s
+                        .param("fieldSelector")
+                        .and_then(|f| {
+                            f.split(',')
+                                .find_map(|kv| kv.strip_prefix("involvedObject.name="))
+                        })
+                        .map(str::to_owned);
+                    let items = state
+                        .core_events
+                        .iter()
+                        .filter(|e| {
+                            wanted
+                                .as_deref()
+                                .is_none_or(|w| e["involvedObject"]["name"] == w)
+                        })
+                        .cloned()
+                        .collect();
+                    respond(send, StatusCode::OK, &list(items));
+                    continue;
+                }
+                if p.contains("/networkpolicies/") && s.method == Method::GET {
+                    match &state.network_policy {
+                        Some(np) => respond(send, StatusCode::OK, np),
+                        None => respond(send, StatusCode::NOT_FOUND, &status_body(404)),
+                    }
+                    continue;
+                }
+                if p.contains("/networkpolicies/") && s.method == Method::DELETE {
+                    let gone = state.network_policy.take().unwrap_or(Value::Null);
+                    respond(send, StatusCode::OK, &gone);
+                    continue;
+                }
+                let fabric_name = p
+                    .split_once("/transferfabrics/")
+                    .map(|(_, rest)| rest.split('/').next().unwrap_or_default().to_owned());
+                let listed_at = fabric_name.as_deref().and_then(|n| {
+                    state
+                        .listed
+                        .iter()
+                        .position(|f| f.metadata.name.as_deref() == Some(n))
+                });
+                if fabric_name.is_some() && !p.ends_with("/status") {
+                    let merge_patch = s.method == Method::PATCH
+                        && s.content_type == "application/merge-patch+json";
+                    if s.method == Method::DELETE || merge_patch || s.method == Method::GET {
+                        let Some(i) = listed_at else {
+                            respond(send, StatusCode::NOT_FOUND, &status_body(404));
+                            continue;
+                        };
+                        let f = &mut state.listed[i];
+                        if s.method == Method::DELETE {
+                            f.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+                        } else if merge_patch {
+                            let rv = &s.body["metadata"]["resourceVersion"];
+                            if !rv.is_null()
+                                && rv.as_str() != f.metadata.resource_version.as_deref()
+                            {
+                                respond(send, StatusCode::CONFLICT, &status_body(409));
+                                continue;
+                            }
+                            f.metadata.finalizers =
+                                serde_json::from_value(s.body["metadata"]["finalizers"].clone())
+                                    .ok();
+                        }
+                        if s.method != Method::GET {
+                            let rv: u64 = f
+                                .metadata
+                                .resource_version
+                                .as_deref()
+                                .and_then(|v| v.parse().ok())
+                                .unwrap_or(0);
+                            f.metadata.resource_version = Some((rv + 1).to_string());
+                        }
+                        let body = serde_json::to_value(&*f).unwrap_or_default();
+                        let finalized = f.metadata.deletion_timestamp.is_some()
+                            && (state.finalize_on_delete
+                                || f.metadata.finalizers.as_ref().is_none_or(Vec::is_empty));
+                        if finalized {
+                            state.listed.remove(i);
+                        }
+                        respond(send, StatusCode::OK, &body);
+                        continue;
+                    }
+                }
+                if p.ends_with("/events") && s.method == Method::POST {
                     respond(send, StatusCode::CREATED, &s.body);
                 } else if p.contains("/transferfabrics") && s.method == Method::GET {
                     if state.crd_missing {
@@ -409,6 +518,7 @@ fn context(client: Client, cleaner: Arc<FakeCleaner>) -> Arc<Context> {
             Duration::from_secs(300),
         )),
         reconcile_timeout: Duration::from_millis(500),
+        agents: AgentSettings::default(),
     })
 }
 
@@ -421,7 +531,9 @@ fn owned_ds(pool: &str, uid: &str) -> DaemonSet {
     let f = full();
     let mut pool_spec = f.spec.pools[0].clone();
     pool_spec.name = pool.to_owned();
-    let mut ds = crate::daemonset::desired_daemonset(&f, &pool_spec).expect("builds");
+    let mut ds =
+        crate::daemonset::desired_daemonset(&f, &pool_spec, &AgentSettings::default(), "h")
+            .expect("builds");
     if let Some(refs) = ds.metadata.owner_references.as_mut() {
         refs[0].uid = uid.to_owned();
     }
@@ -478,6 +590,7 @@ async fn finalized_fabric_applies_children_and_status() {
             "/api/v1/namespaces/llm/serviceaccounts/tf-agent",
             "/api/v1/namespaces/llm/configmaps/tf-config",
             "/api/v1/namespaces/llm/services/tf-agents",
+            "/apis/networking.k8s.io/v1/namespaces/llm/networkpolicies/tf-agents",
             "/apis/apps/v1/namespaces/llm/daemonsets/tf-prefill-agent",
             "/apis/apps/v1/namespaces/llm/daemonsets/tf-decode-agent",
             "/apis/kvfabric.io/v1alpha1/namespaces/llm/transferfabrics/tf/status",
@@ -500,7 +613,10 @@ async fn finalized_fabric_applies_children_and_status() {
     assert_eq!(st["observedGeneration"], 1);
     assert_eq!(
         st["pools"],
-        json!([{"name":"prefill","desired":2,"ready":2},{"name":"decode","desired":2,"ready":2}])
+        json!([
+            {"name":"prefill","desired":2,"ready":2,"socketDir":"/var/run/kvfabric/llm/tf/prefill"},
+            {"name":"decode","desired":2,"ready":2,"socketDir":"/var/run/kvfabric/llm/tf/decode"}
+        ])
     );
     assert_eq!(condition(st, "Ready")["status"], "True");
     assert_eq!(condition(st, "prefillReady")["status"], "True");
@@ -543,7 +659,7 @@ async fn spec_change_reapplies_the_daemonset() {
     reconcile(Arc::new(f.clone()), ctx.clone())
         .await
         .expect("first");
-    f.spec.agent.image = "ghcr.io/example/kvfabric-agent:0.2.0".into();
+    f.spec.agent.priority_class_name = Some("kvfabric-agents".into());
     f.metadata.generation = Some(2);
     reconcile(Arc::new(f), ctx).await.expect("second");
     let ds: Vec<Seen> = fake
@@ -552,9 +668,9 @@ async fn spec_change_reapplies_the_daemonset() {
         .filter(|s| s.path.ends_with("/daemonsets/tf-prefill-agent"))
         .collect();
     assert_eq!(ds.len(), 2);
-    let image = |s: &Seen| s.body["spec"]["template"]["spec"]["containers"][0]["image"].clone();
-    assert_eq!(image(&ds[0]), "ghcr.io/example/kvfabric-agent:0.1.0");
-    assert_eq!(image(&ds[1]), "ghcr.io/example/kvfabric-agent:0.2.0");
+    let class = |s: &Seen| s.body["spec"]["template"]["spec"]["priorityClassName"].clone();
+    assert_eq!(class(&ds[0]), "system-node-critical");
+    assert_eq!(class(&ds[1]), "kvfabric-agents");
     let last_status = fake.status_patches().pop().expect("status");
     assert_eq!(last_status.body["status"]["observedGeneration"], 2);
 }
@@ -634,7 +750,7 @@ async fn delete_runs_the_cleaner_and_removes_the_finalizer() {
                 }),
                 auth: Some(("kvf".to_owned(), "s3cr3t".to_owned())),
             },
-            "/kvfabric/tf/".to_owned()
+            "/kvfabric/llm/tf/".to_owned()
         )]
     );
     let secret_reads: Vec<String> = fake
@@ -699,7 +815,7 @@ async fn unreachable_etcd_is_retried_boundedly_then_the_finalizer_goes_anyway() 
         msg.contains("http://etcd-0:2379,http://etcd-1:2379"),
         "{msg}"
     );
-    assert!(msg.contains("/kvfabric/tf/"), "{msg}");
+    assert!(msg.contains("/kvfabric/llm/tf/"), "{msg}");
     assert!(
         fake.events()
             .iter()
@@ -867,7 +983,7 @@ async fn installed_crd_passes_the_check() {
 async fn invalid_spec_is_reported_as_degraded_without_applying() {
     let mut f = finalized(full());
     f.spec.pools[1].name = "prefill".into();
-    f.spec.agent.rdma.as_mut().expect("rdma").count = 0;
+    f.spec.agent.rdma.as_mut().expect("rdma").resources[0].count = 0;
     let (client, fake) = Fake::start(State {
         fabric: Some(f.clone()),
         ..State::default()
@@ -888,7 +1004,7 @@ async fn invalid_spec_is_reported_as_degraded_without_applying() {
         "{msg}"
     );
     assert!(
-        msg.contains("spec.agent.rdma.count") && msg.contains("\"0\""),
+        msg.contains("spec.agent.rdma.resources[0].count") && msg.contains("\"0\""),
         "{msg}"
     );
     assert_eq!(condition(st, "Ready")["status"], "False");
@@ -900,9 +1016,13 @@ async fn invalid_spec_is_reported_as_degraded_without_applying() {
 }
 
 #[tokio::test]
-async fn empty_image_and_unknown_transport_are_named() {
+async fn reserved_env_and_unknown_transport_are_named() {
     let mut f = finalized(full());
-    f.spec.agent.image = String::new();
+    f.spec.agent.env.push(k8s_openapi::api::core::v1::EnvVar {
+        name: "KVFABRIC_ETCD_KEY_PREFIX".into(),
+        value: Some("/kvfabric/other-namespace".into()),
+        ..Default::default()
+    });
     f.spec.transports = vec![kvfabric_crds::Transport::from("ucx".to_owned())];
     let (client, fake) = Fake::start(State::default());
     reconcile(Arc::new(f), context(client, Arc::default()))
@@ -913,7 +1033,10 @@ async fn empty_image_and_unknown_transport_are_named() {
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    assert!(msg.contains("spec.agent.image"), "{msg}");
+    assert!(
+        msg.contains("spec.agent.env[1].name") && msg.contains("KVFABRIC_ETCD_KEY_PREFIX"),
+        "{msg}"
+    );
     assert!(
         msg.contains("spec.transports[0]") && msg.contains("ucx"),
         "{msg}"
@@ -934,7 +1057,7 @@ fn owner_reference_blocks_owner_deletion() {
 #[tokio::test]
 async fn controller_reconciles_a_listed_fabric_and_shuts_down_gracefully() {
     let state = State {
-        listed: Some(finalized(full())),
+        listed: vec![finalized(full())],
         ds_status: (1, 1),
         ..State::default()
     };
@@ -967,6 +1090,7 @@ async fn controller_reconciles_a_listed_fabric_and_shuts_down_gracefully() {
         "/api/v1/configmaps",
         "/api/v1/services",
         "/api/v1/serviceaccounts",
+        "/apis/networking.k8s.io/v1/networkpolicies",
     ] {
         let list = seen
             .iter()
@@ -1024,4 +1148,264 @@ async fn leader_election_takes_and_releases_the_lease() {
                 .is_some_and(|spec| spec.get("holderIdentity") == Some(&Value::Null))
     });
     assert!(released, "no release patch: {:#?}", fake.seen());
+}
+
+fn pending_pod(pool: &str, message: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("tf-{pool}-agent-x1"), "namespace": NS,
+                     "labels": {"kvfabric.io/fabric": "tf", "kvfabric.io/pool": pool}},
+        "status": {"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message
+        }]}
+    })
+}
+
+fn failed_create(ds: &str, message: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": format!("{ds}.1"), "namespace": NS},
+        "involvedObject": {"kind": "DaemonSet", "name": ds, "namespace": NS},
+        "reason": "FailedCreate", "type": "Warning", "message": message
+    })
+}
+
+#[tokio::test]
+async fn unready_pools_say_why_from_pods_and_events() {
+    let (client, fake) = Fake::start(State {
+        ds_status: (2, 0),
+        pods: vec![pending_pod(
+            "prefill",
+            "0/5 nodes are available: 3 Insufficient nvidia.com/sriov_rdma_rail0.",
+        )],
+        core_events: vec![failed_create(
+            "tf-decode-agent",
+            "Error creating: pods \"tf-decode-agent-z\" is forbidden: violates PodSecurity \"baseline:latest\": hostPath volumes",
+        )],
+        ..State::default()
+    });
+    let action = reconcile(Arc::new(finalized(full())), context(client, Arc::default()))
+        .await
+        .expect("reconciles");
+    assert_eq!(action, Action::requeue(Duration::from_secs(30)));
+    let st = &fake.status_patches()[0].body["status"];
+    let prefill = condition(st, "prefillReady");
+    assert_eq!(prefill["reason"], "Unschedulable");
+    let msg = prefill["message"].as_str().unwrap_or_default();
+    assert!(msg.starts_with("0 of 2 agents ready: "), "{msg}");
+    assert!(
+        msg.contains("Insufficient nvidia.com/sriov_rdma_rail0"),
+        "{msg}"
+    );
+    let decode = condition(st, "decodeReady");
+    assert_eq!(decode["reason"], "PodSecurityRejected");
+    assert!(
+        decode["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("violates PodSecurity"),
+        "{decode}"
+    );
+    assert_eq!(
+        condition(st, "Ready")["message"],
+        "pools not ready: prefill (Unschedulable), decode (PodSecurityRejected)"
+    );
+    let seen = fake.seen();
+    let pods = seen
+        .iter()
+        .find(|s| s.path.ends_with("/pods"))
+        .expect("pods listed");
+    assert_eq!(pods.param("labelSelector"), Some("kvfabric.io/fabric=tf"));
+    let events: Vec<_> = seen
+        .iter()
+        .filter(|s| s.path == "/api/v1/namespaces/llm/events")
+        .collect();
+    assert_eq!(events.len(), 2, "one bounded list per unready DaemonSet");
+    assert_eq!(
+        events[1].param("fieldSelector"),
+        Some(
+            "involvedObject.kind=DaemonSet,involvedObject.name=tf-decode-agent,reason=FailedCreate"
+        )
+    );
+    assert_eq!(events[1].param("limit"), Some("20"));
+}
+
+#[tokio::test]
+async fn ready_pools_read_no_pods_or_events() {
+    let (client, fake) = Fake::start(State {
+        ds_status: (2, 2),
+        ..State::default()
+    });
+    reconcile(Arc::new(finalized(full())), context(client, Arc::default()))
+        .await
+        .expect("reconciles");
+    assert!(
+        !fake
+            .seen()
+            .iter()
+            .any(|s| s.path.ends_with("/pods") || s.path == "/api/v1/namespaces/llm/events")
+    );
+}
+
+fn network_policy(owner_uid: &str) -> Value {
+    json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "tf-agents", "namespace": NS, "ownerReferences": [{
+            "apiVersion": "kvfabric.io/v1alpha1", "kind": "TransferFabric", "name": "tf",
+            "uid": owner_uid, "controller": true
+        }]},
+        "spec": {"podSelector": {}}
+    })
+}
+
+#[tokio::test]
+async fn a_network_policy_no_longer_wanted_is_deleted_only_when_ours() {
+    for (owner, deleted) in [(UID, true), ("someone-else", false)] {
+        let (client, fake) = Fake::start(State {
+            network_policy: Some(network_policy(owner)),
+            ..State::default()
+        });
+        let mut f = finalized(full());
+        f.spec.network_policy.enabled = false;
+        reconcile(Arc::new(f), context(client, Arc::default()))
+            .await
+            .expect("reconciles");
+        let seen = fake.seen();
+        assert!(
+            !fake
+                .applies()
+                .iter()
+                .any(|s| s.path.contains("/networkpolicies/")),
+            "not applied when disabled"
+        );
+        assert_eq!(
+            seen.iter()
+                .any(|s| s.method == Method::DELETE
+                    && s.path.ends_with("/networkpolicies/tf-agents")),
+            deleted,
+            "owner {owner}"
+        );
+    }
+}
+
+fn listed_fabric(name: &str, ns: &str) -> TransferFabric {
+    let mut f = finalized(full());
+    f.metadata.name = Some(name.into());
+    f.metadata.namespace = Some(ns.into());
+    f.metadata.resource_version = Some("7".into());
+    f
+}
+
+fn uninstall_args(
+    fabrics: crate::config::FabricsOnUninstall,
+    timeout_secs: u64,
+) -> crate::config::UninstallArgs {
+    crate::config::UninstallArgs {
+        fabrics,
+        timeout_secs,
+        namespace: None,
+    }
+}
+
+#[tokio::test]
+async fn uninstall_deletes_fabrics_and_waits_for_the_operator() {
+    let (client, fake) = Fake::start(State {
+        listed: vec![listed_fabric("a", "team-a"), listed_fabric("a", "team-b")],
+        finalize_on_delete: true,
+        ..State::default()
+    });
+    let report = crate::uninstall::uninstall(
+        &client,
+        &uninstall_args(crate::config::FabricsOnUninstall::Delete, 30),
+    )
+    .await
+    .expect("uninstalls");
+    assert_eq!(
+        report,
+        crate::uninstall::Report {
+            found: 2,
+            deleted: 2,
+            unfinalized: 0
+        }
+    );
+    let deletes: Vec<String> = fake
+        .seen()
+        .into_iter()
+        .filter(|s| s.method == Method::DELETE)
+        .map(|s| s.path)
+        .collect();
+    assert_eq!(
+        deletes,
+        vec![
+            "/apis/kvfabric.io/v1alpha1/namespaces/team-a/transferfabrics/a",
+            "/apis/kvfabric.io/v1alpha1/namespaces/team-b/transferfabrics/a",
+        ]
+    );
+    assert!(
+        !fake.seen().iter().any(|s| s.method == Method::PATCH),
+        "the operator finalized them"
+    );
+}
+
+#[tokio::test]
+async fn uninstall_without_an_operator_removes_the_finalizer_after_the_deadline() {
+    let (client, fake) = Fake::start(State {
+        listed: vec![listed_fabric("a", "team-a")],
+        finalize_on_delete: false,
+        ..State::default()
+    });
+    let report = tokio::time::timeout(
+        Duration::from_secs(10),
+        crate::uninstall::uninstall(
+            &client,
+            &uninstall_args(crate::config::FabricsOnUninstall::Delete, 0),
+        ),
+    )
+    .await
+    .expect("bounded by its deadline")
+    .expect("uninstalls");
+    assert_eq!((report.deleted, report.unfinalized), (1, 1));
+    let patch = fake
+        .seen()
+        .into_iter()
+        .find(|s| s.method == Method::PATCH)
+        .expect("finalizer patch");
+    assert_eq!(patch.content_type, "application/merge-patch+json");
+    assert_eq!(patch.body["metadata"]["finalizers"], json!([]));
+    // The resourceVersion after the DELETE: a precondition, not a blind overwrite.
+    assert_eq!(patch.body["metadata"]["resourceVersion"], "8");
+    let left = fake
+        .seen()
+        .into_iter()
+        .filter(|s| s.method == Method::GET && s.path.ends_with("/transferfabrics"))
+        .count();
+    assert!(left >= 2, "listed before and after the wait");
+}
+
+#[tokio::test]
+async fn uninstall_orphan_keeps_fabrics_and_drops_only_our_finalizer() {
+    let mut f = listed_fabric("a", "team-a");
+    f.metadata.finalizers = Some(vec!["example.com/other".into(), FINALIZER.into()]);
+    let (client, fake) = Fake::start(State {
+        listed: vec![f],
+        ..State::default()
+    });
+    let report = crate::uninstall::uninstall(
+        &client,
+        &uninstall_args(crate::config::FabricsOnUninstall::Orphan, 30),
+    )
+    .await
+    .expect("uninstalls");
+    assert_eq!((report.deleted, report.unfinalized), (0, 1));
+    assert!(!fake.seen().iter().any(|s| s.method == Method::DELETE));
+    let patch = fake
+        .seen()
+        .into_iter()
+        .find(|s| s.method == Method::PATCH)
+        .expect("patch");
+    assert_eq!(
+        patch.body["metadata"]["finalizers"],
+        json!(["example.com/other"])
+    );
+    assert_eq!(patch.body["metadata"]["resourceVersion"], "7");
 }

@@ -1,64 +1,46 @@
 //! The fabric's ConfigMap: what every agent needs to join the registry, as environment-style keys
-//! so the same map works with `envFrom` and as files under the config mount.
+//! the agent container loads with `envFrom`. Only what the agents read belongs here: every key
+//! is part of the config hash, and a change of it restarts every agent of the fabric.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use kvfabric_crds::TransferFabric;
+use sha2::{Digest, Sha256};
 
+use crate::Result;
+use crate::contract::{agent_key_prefix, env};
 use crate::meta::{child_meta, configmap_name, fabric_labels, name_and_namespace};
-use crate::{Error, Result};
-
-/// Key: fabric name.
-pub const KEY_FABRIC: &str = "KVFABRIC_FABRIC";
-/// Key: comma-separated etcd endpoints.
-pub const KEY_ETCD_ENDPOINTS: &str = "KVFABRIC_ETCD_ENDPOINTS";
-/// Key: etcd key prefix.
-pub const KEY_ETCD_KEY_PREFIX: &str = "KVFABRIC_ETCD_KEY_PREFIX";
-/// Key: comma-separated transports in order of preference.
-pub const KEY_TRANSPORTS: &str = "KVFABRIC_TRANSPORTS";
-/// Key: OTLP endpoint (absent when tracing is off).
-pub const KEY_OTLP_ENDPOINT: &str = "KVFABRIC_OTLP_ENDPOINT";
-/// Key: trace sample ratio.
-pub const KEY_TRACE_SAMPLE_RATIO: &str = "KVFABRIC_TRACE_SAMPLE_RATIO";
-/// Key: JSON list of `{name, role}` of every pool.
-pub const KEY_POOLS: &str = "KVFABRIC_POOLS";
 
 /// The desired ConfigMap `<fabric>-config`.
 pub fn desired_configmap(fabric: &TransferFabric) -> Result<ConfigMap> {
-    let (name, _) = name_and_namespace(fabric)?;
+    let (name, ns) = name_and_namespace(fabric)?;
     let spec = &fabric.spec;
-    let pools: Vec<_> = spec
-        .pools
-        .iter()
-        .map(|p| serde_json::json!({"name": p.name, "role": p.role.as_str()}))
-        .collect();
     let mut data = BTreeMap::from([
-        (KEY_FABRIC.to_owned(), name.clone()),
-        (KEY_ETCD_ENDPOINTS.to_owned(), spec.etcd.endpoints.join(",")),
-        (KEY_ETCD_KEY_PREFIX.to_owned(), spec.etcd.key_prefix.clone()),
+        (env::FABRIC.to_owned(), name.clone()),
         (
-            KEY_TRANSPORTS.to_owned(),
+            env::ETCD_ENDPOINTS.to_owned(),
+            spec.etcd.endpoints.join(","),
+        ),
+        (
+            env::ETCD_KEY_PREFIX.to_owned(),
+            agent_key_prefix(&spec.etcd.key_prefix, &ns),
+        ),
+        (
+            env::TRANSPORTS.to_owned(),
             spec.transports
                 .iter()
                 .map(|t| t.as_str())
                 .collect::<Vec<_>>()
                 .join(","),
         ),
-        (
-            KEY_POOLS.to_owned(),
-            serde_json::to_string(&pools).map_err(|source| Error::Serialize {
-                what: "pool list",
-                source,
-            })?,
-        ),
     ]);
     if let Some(tracing) = &spec.tracing {
         if let Some(endpoint) = &tracing.otlp_endpoint {
-            data.insert(KEY_OTLP_ENDPOINT.to_owned(), endpoint.clone());
+            data.insert(env::OTLP_ENDPOINT.to_owned(), endpoint.clone());
         }
         data.insert(
-            KEY_TRACE_SAMPLE_RATIO.to_owned(),
+            env::TRACE_SAMPLE_RATIO.to_owned(),
             tracing.sample_ratio.to_string(),
         );
     }
@@ -67,6 +49,19 @@ pub fn desired_configmap(fabric: &TransferFabric) -> Result<ConfigMap> {
         data: Some(data),
         ..ConfigMap::default()
     })
+}
+
+/// SHA-256 (hex) over the ConfigMap's data, key by key in order, each key and value
+/// length-prefixed so no two maps hash alike.
+pub fn config_hash(cm: &ConfigMap) -> String {
+    let mut h = Sha256::new();
+    for (k, v) in cm.data.iter().flatten() {
+        for part in [k, v] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -80,24 +75,28 @@ mod tests {
         assert_eq!(cm.metadata.name.as_deref(), Some("tf-config"));
         assert!(cm.metadata.owner_references.is_some());
         let d = cm.data.expect("data");
-        assert_eq!(d[KEY_FABRIC], "tf");
+        assert_eq!(d[env::FABRIC], "tf");
         assert_eq!(
-            d[KEY_ETCD_ENDPOINTS],
+            d[env::ETCD_ENDPOINTS],
             "http://etcd-0:2379,http://etcd-1:2379"
         );
-        assert_eq!(d[KEY_ETCD_KEY_PREFIX], "/kvfabric");
-        assert_eq!(d[KEY_TRANSPORTS], "rdma,cuda-ipc,tcp");
-        assert_eq!(d[KEY_OTLP_ENDPOINT], "http://otel-collector:4317");
-        assert_eq!(d[KEY_TRACE_SAMPLE_RATIO], "0.25");
-        let pools: serde_json::Value = serde_json::from_str(&d[KEY_POOLS]).expect("json");
-        assert_eq!(
-            pools,
-            serde_json::json!([{"name":"prefill","role":"Prefill"},{"name":"decode","role":"Decode"}])
-        );
+        assert_eq!(d[env::TRANSPORTS], "rdma,cuda-ipc,tcp");
+        assert_eq!(d[env::OTLP_ENDPOINT], "http://otel-collector:4317");
+        assert_eq!(d[env::TRACE_SAMPLE_RATIO], "0.25");
         // Every key must be a valid environment variable name for envFrom.
         for k in d.keys() {
             assert!(k.chars().all(|c| c.is_ascii_uppercase() || c == '_'), "{k}");
         }
+    }
+
+    #[test]
+    fn the_key_prefix_carries_the_namespace() {
+        let mut f = full();
+        let a = desired_configmap(&f).expect("builds").data.expect("data");
+        assert_eq!(a[env::ETCD_KEY_PREFIX], "/kvfabric/llm");
+        f.metadata.namespace = Some("team-b".into());
+        let b = desired_configmap(&f).expect("builds").data.expect("data");
+        assert_eq!(b[env::ETCD_KEY_PREFIX], "/kvfabric/team-b");
     }
 
     #[test]
@@ -106,8 +105,45 @@ mod tests {
             .expect("builds")
             .data
             .expect("data");
-        assert!(!d.contains_key(KEY_OTLP_ENDPOINT));
-        assert!(!d.contains_key(KEY_TRACE_SAMPLE_RATIO));
-        assert_eq!(d[KEY_TRANSPORTS], "rdma,cuda-ipc,shm,tcp");
+        assert!(!d.contains_key(env::OTLP_ENDPOINT));
+        assert!(!d.contains_key(env::TRACE_SAMPLE_RATIO));
+        assert_eq!(d[env::TRANSPORTS], "rdma,cuda-ipc,shm,tcp");
+    }
+
+    #[test]
+    fn the_hash_follows_what_the_agents_read_and_nothing_else() {
+        let base = full();
+        let h = |f: &TransferFabric| config_hash(&desired_configmap(f).expect("builds"));
+        let h0 = h(&base);
+        assert_eq!(h0.len(), 64);
+        assert_eq!(h0, h(&base.clone()), "stable");
+        let mut endpoints = base.clone();
+        endpoints
+            .spec
+            .etcd
+            .endpoints
+            .push("http://etcd-2:2379".into());
+        let mut transports = base.clone();
+        transports.spec.transports.pop();
+        let mut tracing = base.clone();
+        if let Some(t) = tracing.spec.tracing.as_mut() {
+            t.sample_ratio = 0.5;
+        }
+        for changed in [&endpoints, &transports, &tracing] {
+            assert_ne!(h(changed), h0);
+        }
+        // A new pool must not restart the agents of the others.
+        let mut pools = base.clone();
+        pools.spec.pools.push(kvfabric_crds::Pool {
+            name: "extra".into(),
+            ..kvfabric_crds::Pool::default()
+        });
+        assert_eq!(h(&pools), h0);
+        // Length prefixes: moving a character from a key into its value changes the hash.
+        let cm = |k: &str, v: &str| ConfigMap {
+            data: Some(BTreeMap::from([(k.to_owned(), v.to_owned())])),
+            ..ConfigMap::default()
+        };
+        assert_ne!(config_hash(&cm("AB", "C")), config_hash(&cm("A", "BC")));
     }
 }

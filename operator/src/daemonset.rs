@@ -4,30 +4,39 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapEnvSource, ConfigMapVolumeSource, Container, ContainerPort,
-    EmptyDirVolumeSource, EnvFromSource, EnvVar, EnvVarSource, HostPathVolumeSource,
-    ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SecretKeySelector,
-    SecretVolumeSource, SecurityContext, TCPSocketAction, Volume, VolumeMount,
+    Capabilities, ConfigMapEnvSource, Container, ContainerPort, EmptyDirVolumeSource,
+    EnvFromSource, EnvVar, EnvVarSource, GRPCAction, HostPathVolumeSource, LocalObjectReference,
+    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceClaim,
+    ResourceRequirements, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext,
+    Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kvfabric_crds::{Pool, ShmMedium, TransferFabric};
+use kvfabric_crds::{Pool, TransferFabric};
 
 use crate::Result;
+use crate::config::AgentSettings;
+use crate::contract::{self, env as e};
 use crate::meta::{
-    AGENT_METRICS_PORT, GRPC_PORT, POOL_LABEL, child_meta, configmap_name, daemonset_name,
-    fabric_labels, name_and_namespace, pool_selector, service_account_name,
+    POOL_LABEL, child_meta, configmap_name, daemonset_name, fabric_labels, name_and_namespace,
+    pool_selector, service_account_name,
 };
 
 /// Pod annotation Multus reads to attach secondary (e.g. SR-IOV) networks.
 pub const MULTUS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/networks";
-/// Where the fabric ConfigMap is mounted in the agent.
-pub const CONFIG_MOUNT: &str = "/etc/kvfabric/config";
-/// Where the etcd TLS secret is mounted in the agent.
-pub const ETCD_TLS_MOUNT: &str = "/etc/kvfabric/etcd-tls";
+/// Pod annotation with the fabric's CDI devices, for runtimes that inject CDI devices from it.
+pub const CDI_ANNOTATION: &str = "cdi.k8s.io/kvfabric-agent";
+/// Pod template annotation with the hash of the fabric's ConfigMap: the agents read the map
+/// through `envFrom` at start only, so a change of it must roll them.
+pub const CONFIG_HASH_ANNOTATION: &str = "kvfabric.io/config-hash";
+/// Lets `kubectl logs`/`exec` pick the agent over the init container.
+pub const DEFAULT_CONTAINER_ANNOTATION: &str = "kubectl.kubernetes.io/default-container";
 /// Name of the agent container.
 pub const AGENT_CONTAINER: &str = "agent";
+/// Name of the init container that prepares the socket directory.
+pub const SOCKET_DIR_CONTAINER: &str = "socket-dir";
+/// Size limit of the agent's `/tmp` (the CUDA JIT cache of a few kernels).
+pub const TMP_SIZE: &str = "256Mi";
 
 fn field_env(name: &str, path: &str) -> EnvVar {
     EnvVar {
@@ -66,36 +75,61 @@ fn secret_env(name: &str, secret: &str, key: &str) -> EnvVar {
     }
 }
 
+/// Whether the agent must run as root: RDMA memory registration beyond `RLIMIT_MEMLOCK` needs
+/// `CAP_IPC_LOCK` in the effective set, and container runtimes give added capabilities to uid 0
+/// only (no ambient capabilities for other users; file capabilities would need
+/// `allowPrivilegeEscalation`). TCP, shm and cuda-ipc need no capability at all.
+pub fn runs_as_root(fabric: &TransferFabric) -> bool {
+    fabric.spec.agent.rdma.is_some()
+}
+
+fn agent_user(fabric: &TransferFabric) -> i64 {
+    if runs_as_root(fabric) {
+        0
+    } else {
+        contract::AGENT_USER
+    }
+}
+
 fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
     let agent = &fabric.spec.agent;
+    let addr = |port: i32| format!("0.0.0.0:{port}");
     let mut env = vec![
-        field_env("NODE_NAME", "spec.nodeName"),
-        field_env("POD_IP", "status.podIP"),
-        field_env("POD_NAME", "metadata.name"),
-        field_env("POD_NAMESPACE", "metadata.namespace"),
-        value_env("KVFABRIC_POOL", &pool.name),
-        value_env("KVFABRIC_POOL_ROLE", pool.role.as_str()),
-        value_env("KVFABRIC_SOCKET_DIR", &agent.socket_dir),
-        value_env("KVFABRIC_CONFIG_DIR", CONFIG_MOUNT),
+        field_env(e::NODE_NAME, "spec.nodeName"),
+        field_env(e::POD_IP, "status.podIP"),
+        field_env(e::POD_NAME, "metadata.name"),
+        field_env(e::POD_NAMESPACE, "metadata.namespace"),
+        value_env(e::POOL, &pool.name),
+        value_env(e::POOL_ROLE, pool.role.as_str()),
+        value_env(e::SOCKET_DIR, contract::SOCKET_DIR),
+        value_env(e::SOCKET_GROUP, agent.sockets.group.to_string()),
+        value_env(e::SOCKET_MODE, agent.sockets.mode.as_str()),
+        value_env(e::GRPC_ADDR, addr(contract::GRPC_PORT)),
+        value_env(e::DATA_ADDR, addr(contract::DATA_PORT)),
+        value_env(e::METRICS_ADDR, addr(contract::METRICS_PORT)),
     ];
     if agent.gpu.enabled {
         env.push(value_env(
-            "NVIDIA_VISIBLE_DEVICES",
+            e::NVIDIA_VISIBLE_DEVICES,
             &agent.gpu.visible_devices,
+        ));
+        env.push(value_env(e::NVIDIA_DRIVER_CAPABILITIES, "compute,utility"));
+        env.push(value_env(
+            e::CUDA_CACHE_PATH,
+            format!("{}/cuda-cache", contract::TMP_DIR),
         ));
     }
     if let Some(secret) = &fabric.spec.etcd.auth_secret {
-        env.push(secret_env("KVFABRIC_ETCD_USERNAME", secret, "username"));
-        env.push(secret_env("KVFABRIC_ETCD_PASSWORD", secret, "password"));
+        env.push(secret_env(e::ETCD_USERNAME, secret, "username"));
+        env.push(secret_env(e::ETCD_PASSWORD, secret, "password"));
     }
     if fabric.spec.etcd.tls_secret.is_some() {
-        env.push(value_env("KVFABRIC_ETCD_TLS_DIR", ETCD_TLS_MOUNT));
+        env.push(value_env(e::ETCD_TLS_DIR, contract::ETCD_TLS_MOUNT));
     }
     if let Some(secret) = &fabric.spec.peer_token_secret {
-        env.push(secret_env("KVFABRIC_PEER_TOKEN", secret, "token"));
+        env.push(secret_env(e::PEER_TOKEN, secret, "token"));
     }
-    // The user's env wins over ours: server-side apply rejects duplicate names in a list map.
-    env.retain(|e| !agent.env.iter().any(|u| u.name == e.name));
+    // Reserved names were refused by the spec checks, so the user's list only adds.
     env.extend(agent.env.iter().cloned());
     env
 }
@@ -103,65 +137,208 @@ fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
 fn resources(fabric: &TransferFabric) -> Option<ResourceRequirements> {
     let agent = &fabric.spec.agent;
     let mut res = agent.resources.clone();
-    if let Some(rdma) = &agent.rdma {
+    for rdma in agent.rdma.iter().flat_map(|r| &r.resources) {
         // Extended resources are limit-only: the scheduler sets the request equal to the limit.
-        let r = res.get_or_insert_with(ResourceRequirements::default);
-        r.limits
+        res.get_or_insert_with(ResourceRequirements::default)
+            .limits
             .get_or_insert_with(BTreeMap::new)
             .insert(rdma.resource_name.clone(), Quantity(rdma.count.to_string()));
+    }
+    // Each pod claim is used by the agent container; a claim listed by the user already stays
+    // as written (it may name a `request`).
+    for claim in &agent.resource_claims {
+        let claims = res
+            .get_or_insert_with(ResourceRequirements::default)
+            .claims
+            .get_or_insert_with(Vec::new);
+        if !claims.iter().any(|c| c.name == claim.name) {
+            claims.push(ResourceClaim {
+                name: claim.name.clone(),
+                request: None,
+            });
+        }
     }
     res
 }
 
-fn volumes_and_mounts(fabric: &TransferFabric, name: &str) -> (Vec<Volume>, Vec<VolumeMount>) {
-    let agent = &fabric.spec.agent;
-    let shm = match agent.shm.medium {
-        ShmMedium::Memory => Volume {
-            name: "shm".to_owned(),
-            empty_dir: Some(EmptyDirVolumeSource {
-                medium: Some("Memory".to_owned()),
-                size_limit: Some(Quantity(agent.shm.size_limit.clone())),
-            }),
-            ..Volume::default()
-        },
-        ShmMedium::HostPath => Volume {
-            name: "shm".to_owned(),
-            host_path: Some(HostPathVolumeSource {
-                path: agent.shm.host_path.clone(),
-                type_: Some("Directory".to_owned()),
-            }),
-            ..Volume::default()
-        },
-    };
-    let mut volumes = vec![
-        Volume {
-            name: "socket-dir".to_owned(),
-            host_path: Some(HostPathVolumeSource {
-                path: agent.socket_dir.clone(),
-                type_: Some("DirectoryOrCreate".to_owned()),
-            }),
-            ..Volume::default()
-        },
-        shm,
-        Volume {
-            name: "config".to_owned(),
-            config_map: Some(ConfigMapVolumeSource {
-                name: configmap_name(name),
-                ..ConfigMapVolumeSource::default()
-            }),
-            ..Volume::default()
-        },
-    ];
-    let mount = |volume: &str, path: &str, read_only: bool| VolumeMount {
+fn socket_dir_volume(
+    fabric: &TransferFabric,
+    pool: &Pool,
+    settings: &AgentSettings,
+) -> Result<Volume> {
+    let (name, ns) = name_and_namespace(fabric)?;
+    Ok(Volume {
+        name: "socket-dir".to_owned(),
+        host_path: Some(HostPathVolumeSource {
+            path: contract::host_socket_dir(&settings.socket_root, &ns, &name, &pool.name),
+            type_: Some("DirectoryOrCreate".to_owned()),
+        }),
+        ..Volume::default()
+    })
+}
+
+fn mount(volume: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
         name: volume.to_owned(),
         mount_path: path.to_owned(),
         read_only: read_only.then_some(true),
         ..VolumeMount::default()
-    };
+    }
+}
+
+fn grpc_probe(service: &str, period: i32, failures: i32) -> Probe {
+    Probe {
+        grpc: Some(GRPCAction {
+            port: contract::GRPC_PORT,
+            service: (!service.is_empty()).then(|| service.to_owned()),
+        }),
+        period_seconds: Some(period),
+        timeout_seconds: Some(5),
+        failure_threshold: Some(failures),
+        ..Probe::default()
+    }
+}
+
+fn port(name: &str, number: i32) -> ContainerPort {
+    ContainerPort {
+        name: Some(name.to_owned()),
+        container_port: number,
+        protocol: Some("TCP".to_owned()),
+        ..ContainerPort::default()
+    }
+}
+
+fn agent_container(
+    fabric: &TransferFabric,
+    pool: &Pool,
+    settings: &AgentSettings,
+    configmap: String,
+) -> Container {
     let mut mounts = vec![
-        mount("socket-dir", &agent.socket_dir, false),
-        mount("shm", "/dev/shm", false),
-        mount("config", CONFIG_MOUNT, true),
+        mount("socket-dir", contract::SOCKET_DIR, false),
+        mount("tmp", contract::TMP_DIR, false),
+    ];
+    if fabric.spec.etcd.tls_secret.is_some() {
+        mounts.push(mount("etcd-tls", contract::ETCD_TLS_MOUNT, true));
+    }
+    let add = runs_as_root(fabric).then(|| vec!["IPC_LOCK".to_owned()]);
+    Container {
+        name: AGENT_CONTAINER.to_owned(),
+        image: Some(settings.image.clone()),
+        image_pull_policy: Some(settings.pull_policy.as_str().to_owned()),
+        command: Some(vec![contract::AGENT_BINARY.to_owned()]),
+        args: Some(vec!["agent".to_owned()]),
+        env: Some(env(fabric, pool)),
+        env_from: Some(vec![EnvFromSource {
+            config_map_ref: Some(ConfigMapEnvSource {
+                name: configmap,
+                optional: Some(false),
+            }),
+            ..EnvFromSource::default()
+        }]),
+        ports: Some(vec![
+            port("grpc", contract::GRPC_PORT),
+            port("data", contract::DATA_PORT),
+            port("metrics", contract::METRICS_PORT),
+        ]),
+        // Up to a minute to bind and start serving; then a hung server is restarted, while an
+        // agent that lost etcd or is draining only leaves the endpoints.
+        startup_probe: Some(grpc_probe(contract::LIVE_SERVICE, 2, 30)),
+        liveness_probe: Some(grpc_probe(contract::LIVE_SERVICE, 10, 3)),
+        readiness_probe: Some(grpc_probe(contract::READY_SERVICE, 5, 2)),
+        resources: resources(fabric),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities {
+                add,
+                drop: Some(vec!["ALL".to_owned()]),
+            }),
+            ..SecurityContext::default()
+        }),
+        volume_mounts: Some(mounts),
+        ..Container::default()
+    }
+}
+
+/// The init container that gives the hostPath socket directory (created by the kubelet as
+/// root:root 0755) to the agent's user and the socket group, with a mode that lets exactly the
+/// socket group in. It runs as root with CHOWN and FOWNER only.
+fn socket_dir_container(fabric: &TransferFabric, settings: &AgentSettings) -> Container {
+    let sockets = &fabric.spec.agent.sockets;
+    Container {
+        name: SOCKET_DIR_CONTAINER.to_owned(),
+        image: Some(settings.image.clone()),
+        image_pull_policy: Some(settings.pull_policy.as_str().to_owned()),
+        command: Some(vec![contract::SOCKET_DIR_HELPER.to_owned()]),
+        args: Some(vec![
+            "--dir".to_owned(),
+            contract::SOCKET_DIR.to_owned(),
+            "--uid".to_owned(),
+            agent_user(fabric).to_string(),
+            "--gid".to_owned(),
+            sockets.group.to_string(),
+            "--mode".to_owned(),
+            format!("{:o}", sockets.mode.directory_mode()),
+        ]),
+        security_context: Some(SecurityContext {
+            run_as_user: Some(0),
+            run_as_group: Some(0),
+            run_as_non_root: Some(false),
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities {
+                add: Some(vec!["CHOWN".to_owned(), "FOWNER".to_owned()]),
+                drop: Some(vec!["ALL".to_owned()]),
+            }),
+            ..SecurityContext::default()
+        }),
+        volume_mounts: Some(vec![mount("socket-dir", contract::SOCKET_DIR, false)]),
+        ..Container::default()
+    }
+}
+
+fn annotations(fabric: &TransferFabric, config_hash: &str) -> BTreeMap<String, String> {
+    let agent = &fabric.spec.agent;
+    let mut out = BTreeMap::from([
+        (CONFIG_HASH_ANNOTATION.to_owned(), config_hash.to_owned()),
+        (
+            DEFAULT_CONTAINER_ANNOTATION.to_owned(),
+            AGENT_CONTAINER.to_owned(),
+        ),
+    ]);
+    if !agent.networks.is_empty() {
+        out.insert(MULTUS_ANNOTATION.to_owned(), agent.networks.join(","));
+    }
+    if agent.gpu.enabled && !agent.gpu.cdi_devices.is_empty() {
+        out.insert(CDI_ANNOTATION.to_owned(), agent.gpu.cdi_devices.join(","));
+    }
+    out
+}
+
+/// The desired DaemonSet `<fabric>-<pool>-agent`. `config_hash` is [`crate::configmap::config_hash`]
+/// of the fabric's ConfigMap.
+pub fn desired_daemonset(
+    fabric: &TransferFabric,
+    pool: &Pool,
+    settings: &AgentSettings,
+    config_hash: &str,
+) -> Result<DaemonSet> {
+    let (name, _) = name_and_namespace(fabric)?;
+    let agent = &fabric.spec.agent;
+    let mut labels = fabric_labels(&name);
+    labels.insert(POOL_LABEL.to_owned(), pool.name.clone());
+
+    let mut volumes = vec![
+        socket_dir_volume(fabric, pool, settings)?,
+        Volume {
+            name: "tmp".to_owned(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                size_limit: Some(Quantity(TMP_SIZE.to_owned())),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        },
     ];
     if let Some(secret) = &fabric.spec.etcd.tls_secret {
         volumes.push(Volume {
@@ -172,72 +349,8 @@ fn volumes_and_mounts(fabric: &TransferFabric, name: &str) -> (Vec<Volume>, Vec<
             }),
             ..Volume::default()
         });
-        mounts.push(mount("etcd-tls", ETCD_TLS_MOUNT, true));
     }
-    (volumes, mounts)
-}
-
-/// The desired DaemonSet `<fabric>-<pool>-agent`.
-pub fn desired_daemonset(fabric: &TransferFabric, pool: &Pool) -> Result<DaemonSet> {
-    let (name, _) = name_and_namespace(fabric)?;
-    let agent = &fabric.spec.agent;
-    let selector = pool_selector(&name, &pool.name);
-    let mut labels = fabric_labels(&name);
-    labels.insert(POOL_LABEL.to_owned(), pool.name.clone());
-
-    let annotations = (!agent.networks.is_empty())
-        .then(|| BTreeMap::from([(MULTUS_ANNOTATION.to_owned(), agent.networks.join(","))]));
-    let (volumes, volume_mounts) = volumes_and_mounts(fabric, &name);
-
-    let container = Container {
-        name: AGENT_CONTAINER.to_owned(),
-        image: Some(agent.image.clone()),
-        image_pull_policy: agent.image_pull_policy.map(|p| p.as_str().to_owned()),
-        args: Some(vec!["agent".to_owned()]),
-        env: Some(env(fabric, pool)),
-        env_from: Some(vec![EnvFromSource {
-            config_map_ref: Some(ConfigMapEnvSource {
-                name: configmap_name(&name),
-                optional: Some(false),
-            }),
-            ..EnvFromSource::default()
-        }]),
-        ports: Some(vec![
-            ContainerPort {
-                name: Some("grpc".to_owned()),
-                container_port: GRPC_PORT,
-                protocol: Some("TCP".to_owned()),
-                ..ContainerPort::default()
-            },
-            ContainerPort {
-                name: Some("metrics".to_owned()),
-                container_port: AGENT_METRICS_PORT,
-                protocol: Some("TCP".to_owned()),
-                ..ContainerPort::default()
-            },
-        ]),
-        readiness_probe: Some(Probe {
-            tcp_socket: Some(TCPSocketAction {
-                port: IntOrString::String("grpc".to_owned()),
-                ..TCPSocketAction::default()
-            }),
-            period_seconds: Some(10),
-            ..Probe::default()
-        }),
-        resources: resources(fabric),
-        security_context: Some(SecurityContext {
-            // Pinning (registering) transfer buffers for RDMA and CUDA needs mlock beyond the
-            // default RLIMIT_MEMLOCK.
-            capabilities: Some(Capabilities {
-                add: Some(vec!["IPC_LOCK".to_owned()]),
-                ..Capabilities::default()
-            }),
-            ..SecurityContext::default()
-        }),
-        volume_mounts: Some(volume_mounts),
-        ..Container::default()
-    };
-
+    let user = agent_user(fabric);
     let pod = PodSpec {
         service_account_name: Some(service_account_name(&name)),
         automount_service_account_token: Some(false),
@@ -246,16 +359,42 @@ pub fn desired_daemonset(fabric: &TransferFabric, pool: &Pool) -> Result<DaemonS
         dns_policy: agent
             .host_network
             .then(|| "ClusterFirstWithHostNet".to_owned()),
-        host_ipc: agent.host_ipc.then_some(true),
         priority_class_name: agent.priority_class_name.clone(),
         runtime_class_name: agent
             .gpu
             .enabled
-            .then(|| agent.gpu.runtime_class_name.clone()),
+            .then(|| agent.gpu.runtime_class_name.clone())
+            .flatten(),
         node_selector: (!pool.node_selector.is_empty()).then(|| pool.node_selector.clone()),
         tolerations: (!pool.tolerations.is_empty()).then(|| pool.tolerations.clone()),
         affinity: pool.affinity.clone(),
-        containers: vec![container],
+        image_pull_secrets: (!settings.pull_secrets.is_empty()).then(|| {
+            settings
+                .pull_secrets
+                .iter()
+                .map(|n| LocalObjectReference { name: n.clone() })
+                .collect()
+        }),
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(user != 0),
+            run_as_user: Some(user),
+            run_as_group: Some(user),
+            // The socket group: the agent's sockets get it, the init container may set it.
+            supplemental_groups: Some(vec![agent.sockets.group]),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".to_owned(),
+                ..SeccompProfile::default()
+            }),
+            ..PodSecurityContext::default()
+        }),
+        resource_claims: (!agent.resource_claims.is_empty()).then(|| agent.resource_claims.clone()),
+        init_containers: Some(vec![socket_dir_container(fabric, settings)]),
+        containers: vec![agent_container(
+            fabric,
+            pool,
+            settings,
+            configmap_name(&name),
+        )],
         volumes: Some(volumes),
         ..PodSpec::default()
     };
@@ -264,13 +403,13 @@ pub fn desired_daemonset(fabric: &TransferFabric, pool: &Pool) -> Result<DaemonS
         metadata: child_meta(fabric, daemonset_name(&name, &pool.name), labels.clone())?,
         spec: Some(DaemonSetSpec {
             selector: LabelSelector {
-                match_labels: Some(selector),
+                match_labels: Some(pool_selector(&name, &pool.name)),
                 ..LabelSelector::default()
             },
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(labels),
-                    annotations,
+                    annotations: Some(annotations(fabric, config_hash)),
                     ..ObjectMeta::default()
                 }),
                 spec: Some(pod),
@@ -284,11 +423,22 @@ pub fn desired_daemonset(fabric: &TransferFabric, pool: &Pool) -> Result<DaemonS
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::PullPolicy;
     use crate::fixtures::{NAME, NS, UID, full, minimal};
-    use kvfabric_crds::ShmMedium;
+    use k8s_openapi::api::core::v1::PodResourceClaim;
+    use kvfabric_crds::{RdmaResource, RdmaSpec, SocketMode};
+
+    fn settings() -> AgentSettings {
+        AgentSettings {
+            image: "registry.example/kvfabric-agent:1.2.3".into(),
+            pull_policy: PullPolicy::Always,
+            pull_secrets: vec!["regcred".into()],
+            ..AgentSettings::default()
+        }
+    }
 
     fn build(f: &TransferFabric, pool: usize) -> DaemonSet {
-        desired_daemonset(f, &f.spec.pools[pool]).expect("builds")
+        desired_daemonset(f, &f.spec.pools[pool], &settings(), "hash-1").expect("builds")
     }
 
     fn pod(ds: &DaemonSet) -> &PodSpec {
@@ -302,8 +452,24 @@ mod tests {
         &pod(ds).containers[0]
     }
 
+    fn init(ds: &DaemonSet) -> &Container {
+        &pod(ds).init_containers.as_ref().expect("init")[0]
+    }
+
+    fn annotations(ds: &DaemonSet) -> &BTreeMap<String, String> {
+        ds.spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.annotations.as_ref())
+            .expect("annotations")
+    }
+
     fn env_value<'a>(c: &'a Container, name: &str) -> Option<&'a EnvVar> {
         c.env.as_ref()?.iter().find(|e| e.name == name)
+    }
+
+    fn val(c: &Container, n: &str) -> Option<String> {
+        env_value(c, n).and_then(|e| e.value.clone())
     }
 
     #[test]
@@ -342,7 +508,29 @@ mod tests {
     }
 
     #[test]
-    fn downward_api_config_and_pool_env() {
+    fn image_and_pull_settings_come_from_the_operator() {
+        let ds = build(&full(), 0);
+        for c in [agent(&ds), init(&ds)] {
+            assert_eq!(
+                c.image.as_deref(),
+                Some("registry.example/kvfabric-agent:1.2.3")
+            );
+            assert_eq!(c.image_pull_policy.as_deref(), Some("Always"));
+        }
+        assert_eq!(
+            agent(&ds).command.as_deref(),
+            Some(&["/usr/local/bin/kvfabric".to_owned()][..])
+        );
+        assert_eq!(
+            pod(&ds).image_pull_secrets,
+            Some(vec![LocalObjectReference {
+                name: "regcred".into()
+            }])
+        );
+    }
+
+    #[test]
+    fn downward_api_pool_socket_and_address_env() {
         let f = full();
         let ds = build(&f, 0);
         let c = agent(&ds);
@@ -354,34 +542,40 @@ mod tests {
         };
         assert_eq!(field("NODE_NAME").as_deref(), Some("spec.nodeName"));
         assert_eq!(field("POD_IP").as_deref(), Some("status.podIP"));
-        let val = |n: &str| env_value(c, n).and_then(|e| e.value.clone());
-        assert_eq!(val("KVFABRIC_POOL").as_deref(), Some("prefill"));
-        assert_eq!(val("KVFABRIC_POOL_ROLE").as_deref(), Some("Prefill"));
+        assert_eq!(val(c, "KVFABRIC_POOL").as_deref(), Some("prefill"));
+        assert_eq!(val(c, "KVFABRIC_POOL_ROLE").as_deref(), Some("Prefill"));
         assert_eq!(
-            val("KVFABRIC_SOCKET_DIR").as_deref(),
+            val(c, "KVFABRIC_SOCKET_DIR").as_deref(),
             Some("/var/run/kvfabric")
         );
-        assert_eq!(val("RUST_LOG").as_deref(), Some("debug"), "extra env");
+        assert_eq!(val(c, "KVFABRIC_SOCKET_GROUP").as_deref(), Some("2000"));
+        assert_eq!(val(c, "KVFABRIC_SOCKET_MODE").as_deref(), Some("0660"));
+        assert_eq!(
+            val(c, "KVFABRIC_GRPC_ADDR").as_deref(),
+            Some("0.0.0.0:50051")
+        );
+        assert_eq!(
+            val(c, "KVFABRIC_DATA_ADDR").as_deref(),
+            Some("0.0.0.0:50052")
+        );
+        assert_eq!(
+            val(c, "KVFABRIC_METRICS_ADDR").as_deref(),
+            Some("0.0.0.0:9090")
+        );
+        assert_eq!(val(c, "RUST_LOG").as_deref(), Some("debug"), "extra env");
         let env_from = c.env_from.as_ref().expect("envFrom");
         assert_eq!(
             env_from[0].config_map_ref.as_ref().map(|r| r.name.as_str()),
             Some("tf-config")
         );
-        let mounts = c.volume_mounts.as_ref().expect("mounts");
-        assert!(
-            mounts
-                .iter()
-                .any(|m| m.name == "config" && m.mount_path == CONFIG_MOUNT)
-        );
-        let vols = pod(&ds).volumes.as_ref().expect("volumes");
-        let cfg = vols
-            .iter()
-            .find(|v| v.name == "config")
-            .expect("config volume");
-        assert_eq!(
-            cfg.config_map.as_ref().map(|c| c.name.as_str()),
-            Some("tf-config")
-        );
+        // Every name the operator sets is in the contract's reserved list.
+        for v in c.env.as_ref().expect("env") {
+            assert!(
+                contract::env::RESERVED.contains(&v.name.as_str()) || v.name == "RUST_LOG",
+                "{} is set but not in contract::env::RESERVED",
+                v.name
+            );
+        }
     }
 
     #[test]
@@ -417,7 +611,7 @@ mod tests {
                 .as_ref()
                 .expect("mounts")
                 .iter()
-                .any(|m| m.mount_path == ETCD_TLS_MOUNT)
+                .any(|m| m.mount_path == contract::ETCD_TLS_MOUNT)
         );
         let min = minimal();
         let ds = build(&min, 0);
@@ -449,7 +643,7 @@ mod tests {
     }
 
     #[test]
-    fn rdma_networks_and_capabilities() {
+    fn rdma_rails_as_limits_and_ipc_lock_as_root() {
         let f = full();
         let ds = build(&f, 0);
         let c = agent(&ds);
@@ -459,8 +653,12 @@ mod tests {
             .and_then(|r| r.limits.as_ref())
             .expect("limits");
         assert_eq!(
-            limits.get("rdma/hca_shared_devices_a"),
-            Some(&Quantity("2".into()))
+            limits.get("nvidia.com/sriov_rdma_rail0"),
+            Some(&Quantity("1".into()))
+        );
+        assert_eq!(
+            limits.get("nvidia.com/sriov_rdma_rail1"),
+            Some(&Quantity("1".into()))
         );
         assert_eq!(
             limits.get("memory"),
@@ -474,106 +672,237 @@ mod tests {
             .expect("requests");
         assert_eq!(requests.get("cpu"), Some(&Quantity("500m".into())));
         assert!(!limits.contains_key("nvidia.com/gpu"), "never takes a GPU");
-        assert!(
-            !requests.contains_key("nvidia.com/gpu"),
-            "never takes a GPU"
-        );
-        let ann = ds
-            .spec
-            .as_ref()
-            .and_then(|s| s.template.metadata.as_ref())
-            .and_then(|m| m.annotations.as_ref())
-            .expect("annotations");
         assert_eq!(
-            ann.get(MULTUS_ANNOTATION).map(String::as_str),
-            Some("sriov-net-a,sriov-net-b")
+            annotations(&ds).get(MULTUS_ANNOTATION).map(String::as_str),
+            Some("sriov-rail0,sriov-rail1")
         );
-        let caps = c
-            .security_context
-            .as_ref()
-            .and_then(|s| s.capabilities.as_ref())
-            .and_then(|c| c.add.as_ref())
-            .expect("caps");
-        assert_eq!(caps, &vec!["IPC_LOCK".to_owned()]);
+        let sc = c.security_context.as_ref().expect("sc");
+        let caps = sc.capabilities.as_ref().expect("caps");
+        assert_eq!(caps.add, Some(vec!["IPC_LOCK".to_owned()]));
+        assert_eq!(caps.drop, Some(vec!["ALL".to_owned()]));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        let psc = pod(&ds).security_context.as_ref().expect("psc");
+        assert_eq!(
+            psc.run_as_user,
+            Some(0),
+            "IPC_LOCK is effective for uid 0 only"
+        );
+        assert_eq!(psc.run_as_non_root, Some(false));
+    }
 
-        let min = minimal();
-        let ds = build(&min, 0);
-        assert!(agent(&ds).resources.is_none(), "no rdma, no resources");
-        assert!(
-            ds.spec
+    #[test]
+    fn without_rdma_the_agent_is_non_root_with_no_capability() {
+        let ds = build(&minimal(), 0);
+        let c = agent(&ds);
+        assert!(c.resources.is_none(), "no rdma, no resources");
+        let sc = c.security_context.as_ref().expect("sc");
+        let caps = sc.capabilities.as_ref().expect("caps");
+        assert_eq!(caps.add, None);
+        assert_eq!(caps.drop, Some(vec!["ALL".to_owned()]));
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        let psc = pod(&ds).security_context.as_ref().expect("psc");
+        assert_eq!(psc.run_as_non_root, Some(true));
+        assert_eq!(psc.run_as_user, Some(65532));
+        assert_eq!(psc.run_as_group, Some(65532));
+        assert_eq!(psc.supplemental_groups, Some(vec![65532]));
+        assert_eq!(
+            psc.seccomp_profile.as_ref().map(|s| s.type_.as_str()),
+            Some("RuntimeDefault")
+        );
+        assert!(!annotations(&ds).contains_key(MULTUS_ANNOTATION));
+    }
+
+    #[test]
+    fn socket_directory_is_per_fabric_and_pool_and_owned_by_the_agent() {
+        let f = full();
+        let prefill = build(&f, 0);
+        let decode = build(&f, 1);
+        let host = |ds: &DaemonSet| {
+            pod(ds)
+                .volumes
                 .as_ref()
-                .and_then(|s| s.template.metadata.as_ref())
-                .and_then(|m| m.annotations.as_ref())
-                .is_none()
+                .and_then(|v| v.iter().find(|v| v.name == "socket-dir"))
+                .and_then(|v| v.host_path.clone())
+                .expect("hostPath")
+        };
+        assert_eq!(host(&prefill).path, "/var/run/kvfabric/llm/tf/prefill");
+        assert_eq!(host(&decode).path, "/var/run/kvfabric/llm/tf/decode");
+        assert_eq!(host(&prefill).type_.as_deref(), Some("DirectoryOrCreate"));
+        let mut other = full();
+        other.metadata.namespace = Some("team-b".into());
+        assert_eq!(
+            host(&build(&other, 0)).path,
+            "/var/run/kvfabric/team-b/tf/prefill"
+        );
+
+        let prep = init(&prefill);
+        assert_eq!(
+            prep.command.as_deref(),
+            Some(&["/usr/local/bin/kvfabric-socket-dir".to_owned()][..])
+        );
+        // RDMA fabric: the agent runs as root, the socket group comes from the spec.
+        assert_eq!(
+            prep.args.as_deref().expect("args").join(" "),
+            "--dir /var/run/kvfabric --uid 0 --gid 2000 --mode 2750"
+        );
+        let sc = prep.security_context.as_ref().expect("sc");
+        assert_eq!(sc.run_as_user, Some(0));
+        let caps = sc.capabilities.as_ref().expect("caps");
+        assert_eq!(
+            caps.add,
+            Some(vec!["CHOWN".to_owned(), "FOWNER".to_owned()])
+        );
+        assert_eq!(caps.drop, Some(vec!["ALL".to_owned()]));
+
+        let mut min = minimal();
+        min.spec.agent.sockets.mode = SocketMode::Owner;
+        let ds = build(&min, 0);
+        assert_eq!(
+            init(&ds).args.as_deref().expect("args").join(" "),
+            "--dir /var/run/kvfabric --uid 65532 --gid 65532 --mode 700"
+        );
+        assert_eq!(
+            val(agent(&ds), "KVFABRIC_SOCKET_MODE").as_deref(),
+            Some("0600")
         );
     }
 
     #[test]
-    fn gpu_access_without_a_gpu_request() {
+    fn probes_use_grpc_health() {
+        let ds = build(&full(), 0);
+        let c = agent(&ds);
+        let grpc = |p: &Option<Probe>| p.as_ref().and_then(|p| p.grpc.clone()).expect("grpc probe");
+        let ready = grpc(&c.readiness_probe);
+        assert_eq!(ready.port, 50051);
+        assert_eq!(ready.service.as_deref(), Some("kvfabric.v1.PeerAgent"));
+        let live = grpc(&c.liveness_probe);
+        assert_eq!(live.service, None, "liveness asks the server as a whole");
+        assert!(grpc(&c.startup_probe).service.is_none());
+        assert!(
+            c.readiness_probe
+                .as_ref()
+                .and_then(|p| p.tcp_socket.as_ref())
+                .is_none()
+        );
+        let ports: Vec<_> = c
+            .ports
+            .as_ref()
+            .expect("ports")
+            .iter()
+            .map(|p| (p.name.clone().unwrap_or_default(), p.container_port))
+            .collect();
+        assert_eq!(
+            ports,
+            vec![
+                ("grpc".to_owned(), 50051),
+                ("data".to_owned(), 50052),
+                ("metrics".to_owned(), 9090)
+            ]
+        );
+    }
+
+    #[test]
+    fn config_hash_is_in_the_pod_template() {
+        let f = full();
+        let a = desired_daemonset(&f, &f.spec.pools[0], &settings(), "aaa").expect("builds");
+        let b = desired_daemonset(&f, &f.spec.pools[0], &settings(), "bbb").expect("builds");
+        assert_eq!(annotations(&a)[CONFIG_HASH_ANNOTATION], "aaa");
+        assert_ne!(
+            a.spec.as_ref().map(|s| &s.template),
+            b.spec.as_ref().map(|s| &s.template),
+            "a new ConfigMap hash changes the template, so the DaemonSet rolls"
+        );
+    }
+
+    #[test]
+    fn gpu_access_without_a_gpu_request_or_runtime_class() {
         let f = full();
         let ds = build(&f, 0);
-        assert_eq!(pod(&ds).runtime_class_name.as_deref(), Some("nvidia"));
         assert_eq!(
-            env_value(agent(&ds), "NVIDIA_VISIBLE_DEVICES").and_then(|e| e.value.as_deref()),
-            Some("all")
+            pod(&ds).runtime_class_name,
+            None,
+            "no RuntimeClass by default"
+        );
+        let c = agent(&ds);
+        assert_eq!(val(c, "NVIDIA_VISIBLE_DEVICES").as_deref(), Some("all"));
+        assert_eq!(
+            val(c, "NVIDIA_DRIVER_CAPABILITIES").as_deref(),
+            Some("compute,utility")
+        );
+        assert_eq!(
+            val(c, "CUDA_CACHE_PATH").as_deref(),
+            Some("/tmp/cuda-cache")
+        );
+        assert!(
+            c.volume_mounts
+                .iter()
+                .flatten()
+                .any(|m| m.mount_path == "/tmp" && m.name == "tmp"),
+            "the JIT cache needs a writable /tmp on a read-only root"
+        );
+        assert_eq!(
+            annotations(&ds).get(CDI_ANNOTATION).map(String::as_str),
+            Some("nvidia.com/gpu=all")
+        );
+        let mut with_class = full();
+        with_class.spec.agent.gpu.runtime_class_name = Some("nvidia".into());
+        assert_eq!(
+            pod(&build(&with_class, 0)).runtime_class_name.as_deref(),
+            Some("nvidia")
         );
         let min = minimal();
         let ds = build(&min, 0);
         assert!(pod(&ds).runtime_class_name.is_none());
         assert!(env_value(agent(&ds), "NVIDIA_VISIBLE_DEVICES").is_none());
+        assert!(!annotations(&ds).contains_key(CDI_ANNOTATION));
     }
 
     #[test]
-    fn shm_socket_and_host_namespaces() {
-        let mut f = full();
+    fn resource_claims_are_wired_into_pod_and_container() {
+        let f = full();
         let ds = build(&f, 0);
-        let p = pod(&ds);
-        assert_eq!(p.host_network, Some(true));
-        assert_eq!(p.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"));
-        assert_eq!(p.host_ipc, Some(true));
-        let vols = p.volumes.as_ref().expect("volumes");
-        let shm = vols.iter().find(|v| v.name == "shm").expect("shm");
-        let ed = shm.empty_dir.as_ref().expect("emptyDir");
-        assert_eq!(ed.medium.as_deref(), Some("Memory"));
-        assert_eq!(ed.size_limit, Some(Quantity("8Gi".into())));
-        let sock = vols
-            .iter()
-            .find(|v| v.name == "socket-dir")
-            .expect("socket");
-        let hp = sock.host_path.as_ref().expect("hostPath");
-        assert_eq!(hp.path, "/var/run/kvfabric");
-        assert_eq!(hp.type_.as_deref(), Some("DirectoryOrCreate"));
-        let mounts = agent(&ds).volume_mounts.as_ref().expect("mounts");
-        assert!(
-            mounts
-                .iter()
-                .any(|m| m.name == "shm" && m.mount_path == "/dev/shm")
-        );
-        assert!(
-            mounts
-                .iter()
-                .any(|m| m.name == "socket-dir" && m.mount_path == "/var/run/kvfabric")
-        );
-
-        f.spec.agent.shm.medium = ShmMedium::HostPath;
-        f.spec.agent.shm.host_path = "/run/kvfabric-shm".into();
-        let ds = build(&f, 0);
-        let vols = pod(&ds).volumes.as_ref().expect("volumes");
-        let shm = vols.iter().find(|v| v.name == "shm").expect("shm");
+        let claims = pod(&ds).resource_claims.as_ref().expect("pod claims");
         assert_eq!(
-            shm.host_path.as_ref().map(|h| h.path.as_str()),
-            Some("/run/kvfabric-shm")
+            claims,
+            &vec![PodResourceClaim {
+                name: "gpus".into(),
+                resource_claim_template_name: Some("all-gpus-admin".into()),
+                resource_claim_name: None,
+            }]
         );
-
-        let min = minimal();
-        let ds = build(&min, 0);
-        assert_eq!(pod(&ds).host_network, None);
-        assert_eq!(pod(&ds).host_ipc, None);
-        assert_eq!(pod(&ds).dns_policy, None);
+        let container: Vec<_> = agent(&ds)
+            .resources
+            .as_ref()
+            .and_then(|r| r.claims.as_ref())
+            .expect("container claims")
+            .iter()
+            .map(|c| c.name.clone())
+            .collect();
+        assert_eq!(container, vec!["gpus"]);
+        assert!(pod(&build(&minimal(), 0)).resource_claims.is_none());
     }
 
     #[test]
-    fn scheduling_image_and_priority() {
+    fn no_host_ipc_and_no_shm_volume() {
+        let ds = build(&full(), 0);
+        assert_eq!(pod(&ds).host_ipc, None);
+        let vols: Vec<_> = pod(&ds)
+            .volumes
+            .as_ref()
+            .expect("volumes")
+            .iter()
+            .map(|v| v.name.clone())
+            .collect();
+        assert_eq!(vols, vec!["socket-dir", "tmp", "etcd-tls"]);
+        for v in pod(&ds).volumes.iter().flatten() {
+            if let Some(hp) = &v.host_path {
+                assert!(hp.path.starts_with("/var/run/kvfabric/"), "{}", hp.path);
+            }
+        }
+    }
+
+    #[test]
+    fn scheduling_and_priority() {
         let f = full();
         let ds = build(&f, 0);
         let p = pod(&ds);
@@ -594,22 +923,7 @@ mod tests {
             Some("system-node-critical")
         );
         assert_eq!(p.service_account_name.as_deref(), Some("tf-agent"));
-        let c = agent(&ds);
-        assert_eq!(
-            c.image.as_deref(),
-            Some("ghcr.io/example/kvfabric-agent:0.1.0")
-        );
-        assert_eq!(c.image_pull_policy.as_deref(), Some("IfNotPresent"));
-        let ports: Vec<_> = c
-            .ports
-            .as_ref()
-            .expect("ports")
-            .iter()
-            .map(|p| p.container_port)
-            .collect();
-        assert_eq!(ports, vec![50051, 9090]);
-
-        // The second pool has no scheduling constraints.
+        assert_eq!(p.host_network, None);
         let ds = build(&f, 1);
         assert_eq!(ds.metadata.name.as_deref(), Some("tf-decode-agent"));
         assert!(pod(&ds).node_selector.is_none());
@@ -618,20 +932,20 @@ mod tests {
     }
 
     #[test]
-    fn user_env_overrides_ours_without_duplicates() {
-        let mut f = full();
-        f.spec.agent.env.push(EnvVar {
-            name: "KVFABRIC_SOCKET_DIR".into(),
-            value: Some("/custom".into()),
-            ..EnvVar::default()
+    fn host_network_keeps_cluster_dns() {
+        let mut f = minimal();
+        f.spec.agent.host_network = true;
+        f.spec.agent.rdma = Some(RdmaSpec {
+            resources: vec![RdmaResource {
+                resource_name: "rdma/rdma_shared_device_a".into(),
+                count: 1,
+            }],
         });
         let ds = build(&f, 0);
-        let env = agent(&ds).env.as_ref().expect("env");
-        let hits: Vec<_> = env
-            .iter()
-            .filter(|e| e.name == "KVFABRIC_SOCKET_DIR")
-            .collect();
-        assert_eq!(hits.len(), 1);
-        assert_eq!(hits[0].value.as_deref(), Some("/custom"));
+        assert_eq!(pod(&ds).host_network, Some(true));
+        assert_eq!(
+            pod(&ds).dns_policy.as_deref(),
+            Some("ClusterFirstWithHostNet")
+        );
     }
 }

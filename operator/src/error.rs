@@ -106,6 +106,15 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A manifest file could not be read as YAML.
+    #[error("{file}: {message}")]
+    Manifest {
+        /// The file.
+        file: String,
+        /// What is wrong with it.
+        message: String,
+    },
+
     /// An object could not be converted to JSON.
     #[error("serializing {what}: {source}")]
     Serialize {
@@ -146,6 +155,7 @@ impl Error {
             Error::Config { .. } => "config",
             Error::Leader { .. } => "leader",
             Error::Io { .. } => "io",
+            Error::Manifest { .. } => "manifest",
             Error::Serialize { .. } => "serialize",
         }
     }

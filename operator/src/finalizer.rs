@@ -136,12 +136,6 @@ impl Default for CleanupPolicy {
     }
 }
 
-/// The registry prefix of one fabric: `<keyPrefix>/<fabric>/`. The trailing slash keeps fabric
-/// `a` from deleting fabric `ab`'s keys.
-pub fn registry_prefix(key_prefix: &str, fabric: &str) -> String {
-    format!("{}/{fabric}/", key_prefix.trim_end_matches('/'))
-}
-
 /// Runs the cleaner up to `policy.attempts` times; the last error if all fail.
 pub async fn clean_registry(
     cleaner: &dyn RegistryCleaner,
@@ -185,12 +179,6 @@ pub async fn clean_registry(
 mod tests {
     use super::*;
     use std::sync::Mutex;
-
-    #[test]
-    fn prefix_has_trailing_slash_and_no_double_slash() {
-        assert_eq!(registry_prefix("/kvfabric", "tf"), "/kvfabric/tf/");
-        assert_eq!(registry_prefix("/kvfabric/", "tf"), "/kvfabric/tf/");
-    }
 
     #[derive(Debug, Default)]
     struct Flaky {
@@ -290,6 +278,145 @@ mod tests {
             .expect_err("fails");
         assert_eq!(*c.calls.lock().expect("lock"), 3);
         assert!(e.to_string().contains("http://e:2379"), "{e}");
+    }
+
+    /// A private etcd (Debian's `etcd-server`) on free loopback ports, killed on drop.
+    struct Etcd {
+        child: std::process::Child,
+        url: String,
+        _dir: std::path::PathBuf,
+    }
+
+    impl Drop for Etcd {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self._dir);
+        }
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port")
+    }
+
+    fn etcd() -> Etcd {
+        let dir = std::env::temp_dir().join(format!(
+            "kvfabric-operator-etcd-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        let (client, peer) = (free_port(), free_port());
+        let url = format!("http://127.0.0.1:{client}");
+        let child = std::process::Command::new("etcd")
+            .arg("--data-dir")
+            .arg(&dir)
+            .args([
+                "--listen-client-urls",
+                &url,
+                "--advertise-client-urls",
+                &url,
+            ])
+            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args([
+                "--initial-advertise-peer-urls",
+                &format!("http://127.0.0.1:{peer}"),
+            ])
+            .args([
+                "--initial-cluster",
+                &format!("default=http://127.0.0.1:{peer}"),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("etcd runs (apt-get install etcd-server; scripts/test.sh does)");
+        Etcd {
+            child,
+            url,
+            _dir: dir,
+        }
+    }
+
+    async fn connect(url: &str) -> etcd_client::Client {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let options = etcd_client::ConnectOptions::new()
+                .with_connect_timeout(Duration::from_millis(200))
+                .with_timeout(Duration::from_millis(500));
+            if let Ok(mut c) = etcd_client::Client::connect([url], Some(options)).await
+                && c.status().await.is_ok()
+            {
+                return c;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "etcd at {url} did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn deleting_a_fabric_spares_its_namesake_in_another_namespace() {
+        use crate::contract::{agent_key_prefix, registry_prefix};
+        let etcd = etcd();
+        let mut client = connect(&etcd.url).await;
+        // Keys as the agents write them: `<KVFABRIC_ETCD_KEY_PREFIX>/<fabric>/…`.
+        for ns in ["team-a", "team-b"] {
+            for fabric in ["llama", "llama2"] {
+                let root = format!("{}/{fabric}", agent_key_prefix("/kvfabric", ns));
+                client
+                    .put(format!("{root}/agents/node-1"), "{}", None)
+                    .await
+                    .expect("put");
+                client
+                    .put(format!("{root}/segments/w0"), "{}", None)
+                    .await
+                    .expect("put");
+            }
+        }
+        let cleaner = EtcdCleaner {
+            timeout: Duration::from_secs(2),
+        };
+        let n = clean_registry(
+            &cleaner,
+            &policy(),
+            &access(&etcd.url),
+            &registry_prefix("/kvfabric", "team-a", "llama"),
+        )
+        .await
+        .expect("cleans");
+        assert_eq!(n, 2, "exactly team-a/llama's keys");
+        let left = client
+            .get(
+                "/kvfabric/",
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_keys_only(),
+                ),
+            )
+            .await
+            .expect("get");
+        let mut keys: Vec<String> = left
+            .kvs()
+            .iter()
+            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+            .collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            vec![
+                "/kvfabric/team-a/llama2/agents/node-1",
+                "/kvfabric/team-a/llama2/segments/w0",
+                "/kvfabric/team-b/llama/agents/node-1",
+                "/kvfabric/team-b/llama/segments/w0",
+                "/kvfabric/team-b/llama2/agents/node-1",
+                "/kvfabric/team-b/llama2/segments/w0",
+            ]
+        );
     }
 
     #[tokio::test]

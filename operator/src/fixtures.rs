@@ -4,13 +4,15 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Affinity, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
-    ResourceRequirements, Toleration,
+    PodResourceClaim, ResourceRequirements, Toleration,
 };
+use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::ObjectMeta;
 use kvfabric_crds::{
-    AgentSpec, EtcdSpec, GpuSpec, Pool, PoolRole, PullPolicy, RdmaSpec, ShmMedium, ShmSpec,
-    TracingSpec, TransferFabric, TransferFabricSpec, Transport,
+    AgentSpec, EtcdSpec, GpuSpec, NetworkPolicySpec, Pool, PoolRole, RdmaResource, RdmaSpec,
+    SocketMode, SocketSpec, TracingSpec, TransferFabric, TransferFabricSpec, Transport,
 };
 
 pub const NS: &str = "llm";
@@ -59,15 +61,12 @@ pub fn full() -> TransferFabric {
                 },
             ],
             agent: AgentSpec {
-                image: "ghcr.io/example/kvfabric-agent:0.1.0".into(),
-                image_pull_policy: Some(PullPolicy::IfNotPresent),
                 resources: Some(ResourceRequirements {
                     requests: Some(BTreeMap::from([("cpu".into(), Quantity("500m".into()))])),
                     limits: Some(BTreeMap::from([("memory".into(), Quantity("2Gi".into()))])),
                     ..ResourceRequirements::default()
                 }),
-                host_network: true,
-                host_ipc: true,
+                host_network: false,
                 env: vec![EnvVar {
                     name: "RUST_LOG".into(),
                     value: Some("debug".into()),
@@ -75,21 +74,46 @@ pub fn full() -> TransferFabric {
                 }],
                 priority_class_name: Some("system-node-critical".into()),
                 rdma: Some(RdmaSpec {
-                    resource_name: "rdma/hca_shared_devices_a".into(),
-                    count: 2,
+                    resources: vec![
+                        RdmaResource {
+                            resource_name: "nvidia.com/sriov_rdma_rail0".into(),
+                            count: 1,
+                        },
+                        RdmaResource {
+                            resource_name: "nvidia.com/sriov_rdma_rail1".into(),
+                            count: 1,
+                        },
+                    ],
                 }),
-                networks: vec!["sriov-net-a".into(), "sriov-net-b".into()],
+                networks: vec!["sriov-rail0".into(), "sriov-rail1".into()],
+                resource_claims: vec![PodResourceClaim {
+                    name: "gpus".into(),
+                    resource_claim_template_name: Some("all-gpus-admin".into()),
+                    resource_claim_name: None,
+                }],
                 gpu: GpuSpec {
                     enabled: true,
-                    runtime_class_name: "nvidia".into(),
                     visible_devices: "all".into(),
+                    runtime_class_name: None,
+                    cdi_devices: vec!["nvidia.com/gpu=all".into()],
                 },
-                shm: ShmSpec {
-                    medium: ShmMedium::Memory,
-                    size_limit: "8Gi".into(),
-                    host_path: "/dev/shm".into(),
+                sockets: SocketSpec {
+                    group: 2000,
+                    mode: SocketMode::Group,
                 },
-                socket_dir: "/var/run/kvfabric".into(),
+            },
+            network_policy: NetworkPolicySpec {
+                enabled: true,
+                metrics_from: vec![NetworkPolicyPeer {
+                    namespace_selector: Some(LabelSelector {
+                        match_labels: Some(BTreeMap::from([(
+                            "kubernetes.io/metadata.name".into(),
+                            "monitoring".into(),
+                        )])),
+                        ..LabelSelector::default()
+                    }),
+                    ..NetworkPolicyPeer::default()
+                }],
             },
             transports: vec![Transport::Rdma, Transport::CudaIpc, Transport::Tcp],
             etcd: EtcdSpec {
@@ -123,10 +147,8 @@ pub fn minimal() -> TransferFabric {
         role: PoolRole::Prefill,
         ..Pool::default()
     };
-    f.spec.agent = AgentSpec {
-        image: "ghcr.io/example/kvfabric-agent:0.1.0".into(),
-        ..AgentSpec::default()
-    };
+    f.spec.agent = AgentSpec::default();
+    f.spec.network_policy = NetworkPolicySpec::default();
     f.spec.etcd = EtcdSpec {
         endpoints: vec!["http://etcd:2379".into()],
         ..EtcdSpec::default()

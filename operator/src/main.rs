@@ -1,24 +1,36 @@
 //! kvfabric-operator binary: parse config, start the HTTP server, check the CRD, take the Lease,
-//! run the controller until SIGTERM/SIGINT.
+//! run the controller until SIGTERM/SIGINT; or `render` (a dry run) and `uninstall` (the chart's
+//! uninstall hook).
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use kvfabric_operator::config::{Config, Settings};
+use kvfabric_operator::config::{Cli, Command, KubeVersion, Settings};
 use kvfabric_operator::metrics::Metrics;
 use kvfabric_operator::reconcile::{Context, check_crd_installed, run_controller};
 use kvfabric_operator::server::{Health, Phase, serve};
-use kvfabric_operator::{Error, Result, leader};
+use kvfabric_operator::{Error, Result, leader, render, uninstall};
 use tokio::sync::watch;
 
 /// sysexits EX_USAGE: the command line or environment is wrong.
 const EXIT_CONFIG: u8 = 64;
 
+fn fail(e: &Error) -> ExitCode {
+    tracing::error!(error = %e, "exiting");
+    eprintln!("kvfabric-operator: {e}");
+    ExitCode::FAILURE
+}
+
+fn usage(e: &Error) -> ExitCode {
+    eprintln!("kvfabric-operator: {e}");
+    ExitCode::from(EXIT_CONFIG)
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    let config = match Config::try_parse() {
+    let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => {
             // --help / --version
@@ -30,22 +42,54 @@ async fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let settings = match config.settings() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("kvfabric-operator: {e}");
-            return ExitCode::from(EXIT_CONFIG);
+    match cli.command {
+        Some(Command::Render(args)) => {
+            let mut agents = match cli.agents.settings() {
+                Ok(a) => a,
+                Err(e) => return usage(&e),
+            };
+            agents.kube = args.kube_version;
+            match render::render_file(&args.file, &agents) {
+                Ok(yaml) => {
+                    print!("{yaml}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
         }
-    };
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(&settings.log_level))
-        .init();
-    match run(settings).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(error = %e, "exiting");
-            eprintln!("kvfabric-operator: {e}");
-            ExitCode::FAILURE
+        Some(Command::Uninstall(args)) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+                .init();
+            let run = async {
+                let client = kube::Client::try_default().await.map_err(|e| {
+                    Error::kube("create client from kubeconfig/in-cluster config", e)
+                })?;
+                uninstall::uninstall(&client, &args).await
+            };
+            match run.await {
+                Ok(report) => {
+                    println!(
+                        "kvfabric-operator uninstall: {} fabric(s) found, {} deleted, {} left without the finalizer",
+                        report.found, report.deleted, report.unfinalized
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
+        None => {
+            let settings = match cli.run.settings(&cli.agents) {
+                Ok(s) => s,
+                Err(e) => return usage(&e),
+            };
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(&settings.log_level))
+                .init();
+            match run(settings).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
         }
     }
 }
@@ -89,10 +133,21 @@ async fn run(settings: Settings) -> Result<()> {
         .await
         .map_err(|e| Error::kube("create client from kubeconfig/in-cluster config", e))?;
     check_crd_installed(&client, settings.namespace.as_deref()).await?;
+    let mut agents = settings.agents.clone();
+    // DRA fields exist in their GA shape from 1.31 on; an older server gets a typed refusal.
+    agents.kube = match client.apiserver_version().await {
+        Ok(info) => KubeVersion::from_info(&info.major, &info.minor),
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the API server version failed; assuming a current one");
+            None
+        }
+    };
+    tracing::info!(kube = ?agents.kube, image = %agents.image, socket_root = %agents.socket_root, "agent settings");
     let ctx = Arc::new(Context::new(
         client.clone(),
         metrics,
         settings.cleanup.clone(),
+        agents,
     ));
 
     let mut lost_lease = false;

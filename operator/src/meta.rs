@@ -16,10 +16,6 @@ pub const FABRIC_LABEL: &str = "kvfabric.io/fabric";
 pub const POOL_LABEL: &str = "kvfabric.io/pool";
 /// Standard component label.
 pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
-/// gRPC peer port of the agents.
-pub const GRPC_PORT: i32 = 50051;
-/// Prometheus port of the agents.
-pub const AGENT_METRICS_PORT: i32 = 9090;
 
 /// Name of the fabric's ConfigMap.
 pub fn configmap_name(fabric: &str) -> String {
@@ -33,6 +29,11 @@ pub fn service_account_name(fabric: &str) -> String {
 
 /// Name of the headless Service in front of the agents.
 pub fn service_name(fabric: &str) -> String {
+    format!("{fabric}-agents")
+}
+
+/// Name of the NetworkPolicy in front of the agents.
+pub fn network_policy_name(fabric: &str) -> String {
     format!("{fabric}-agents")
 }
 

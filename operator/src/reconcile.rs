@@ -3,9 +3,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Event as CoreEvent, Pod, Secret, Service, ServiceAccount,
+};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -18,16 +23,20 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backoff::Backoff;
-use crate::configmap::desired_configmap;
+use crate::config::AgentSettings;
+use crate::configmap::{config_hash, desired_configmap};
+use crate::contract::{host_socket_dir, registry_prefix};
 use crate::daemonset::desired_daemonset;
+use crate::diagnosis::{Diagnosis, diagnose};
 use crate::finalizer::{
     CleanupPolicy, EtcdAccess, EtcdCleaner, EtcdTls, FINALIZER, RegistryCleaner, clean_registry,
-    registry_prefix,
 };
-use crate::meta::{FABRIC_LABEL, MANAGER, POOL_LABEL, name_and_namespace};
+use crate::meta::{FABRIC_LABEL, MANAGER, POOL_LABEL, name_and_namespace, network_policy_name};
 use crate::metrics::Metrics;
+use crate::network_policy::desired_network_policy;
 use crate::service::desired_service;
 use crate::service_account::desired_service_account;
+use crate::spec_checks;
 use crate::status::{self, ConditionValue, DEGRADED};
 use crate::{Error, Result};
 
@@ -53,6 +62,8 @@ pub struct Context {
     pub backoff: Arc<Backoff>,
     /// Limit of one whole reconcile, so a hung API call cannot stall an object forever.
     pub reconcile_timeout: Duration,
+    /// How agent pods are built (image, socket root, the API server's version).
+    pub agents: AgentSettings,
 }
 
 impl std::fmt::Debug for Context {
@@ -61,13 +72,19 @@ impl std::fmt::Debug for Context {
             .field("cleaner", &self.cleaner)
             .field("cleanup", &self.cleanup)
             .field("reconcile_timeout", &self.reconcile_timeout)
+            .field("agents", &self.agents)
             .finish_non_exhaustive()
     }
 }
 
 impl Context {
     /// A context with the production etcd cleaner and default policies.
-    pub fn new(client: Client, metrics: Arc<Metrics>, cleanup: CleanupPolicy) -> Self {
+    pub fn new(
+        client: Client,
+        metrics: Arc<Metrics>,
+        cleanup: CleanupPolicy,
+        agents: AgentSettings,
+    ) -> Self {
         let reporter = Reporter {
             controller: MANAGER.to_owned(),
             instance: std::env::var("POD_NAME").ok(),
@@ -82,6 +99,7 @@ impl Context {
             cleanup,
             backoff: Arc::new(Backoff::default()),
             reconcile_timeout: Duration::from_secs(60),
+            agents,
         }
     }
 }
@@ -200,7 +218,7 @@ async fn patch_status(
 }
 
 async fn apply(fabric: &TransferFabric, ctx: &Context) -> Result<Action> {
-    let problems = fabric.spec.problems();
+    let problems = spec_checks::problems(fabric, &ctx.agents);
     if !problems.is_empty() {
         let message = problems
             .iter()
@@ -244,9 +262,11 @@ async fn apply_children(fabric: &TransferFabric, ctx: &Context) -> Result<Action
         &desired_service_account(fabric)?,
     )
     .await?;
+    let configmap = desired_configmap(fabric)?;
+    let hash = config_hash(&configmap);
     ssa(
         &Api::<ConfigMap>::namespaced(client.clone(), &ns),
-        &desired_configmap(fabric)?,
+        &configmap,
     )
     .await?;
     ssa(
@@ -254,11 +274,22 @@ async fn apply_children(fabric: &TransferFabric, ctx: &Context) -> Result<Action
         &desired_service(fabric)?,
     )
     .await?;
+    let np_api = Api::<NetworkPolicy>::namespaced(client.clone(), &ns);
+    match desired_network_policy(fabric)? {
+        Some(np) => drop(ssa(&np_api, &np).await?),
+        None => delete_owned_network_policy(fabric, &np_api, &name).await?,
+    }
 
     let ds_api = Api::<DaemonSet>::namespaced(client.clone(), &ns);
     let mut daemonsets = Vec::with_capacity(fabric.spec.pools.len());
     for pool in &fabric.spec.pools {
-        daemonsets.push(ssa(&ds_api, &desired_daemonset(fabric, pool)?).await?);
+        daemonsets.push(
+            ssa(
+                &ds_api,
+                &desired_daemonset(fabric, pool, &ctx.agents, &hash)?,
+            )
+            .await?,
+        );
     }
 
     let removed = prune_daemonsets(fabric, &ds_api, &name).await?;
@@ -273,7 +304,25 @@ async fn apply_children(fabric: &TransferFabric, ctx: &Context) -> Result<Action
         .await;
     }
 
-    let st = status::desired_status(fabric, &daemonsets, Timestamp::now());
+    let diagnoses = diagnose_pools(ctx, &ns, &name, &daemonsets).await;
+    let socket_dirs: BTreeMap<String, String> = fabric
+        .spec
+        .pools
+        .iter()
+        .map(|p| {
+            (
+                p.name.clone(),
+                host_socket_dir(&ctx.agents.socket_root, &ns, &name, &p.name),
+            )
+        })
+        .collect();
+    let st = status::desired_status(
+        fabric,
+        &daemonsets,
+        &diagnoses,
+        &socket_dirs,
+        Timestamp::now(),
+    );
     let ready = status::find(&st, status::READY).is_some_and(|c| c.status == "True");
     let first_for_generation =
         fabric.status.as_ref().and_then(|s| s.observed_generation) != fabric.metadata.generation;
@@ -285,7 +334,7 @@ async fn apply_children(fabric: &TransferFabric, ctx: &Context) -> Result<Action
             EventType::Normal,
             "Applied",
             format!(
-                "applied ServiceAccount, ConfigMap, Service and {} agent DaemonSet(s) for generation {}",
+                "applied ServiceAccount, ConfigMap, Service, NetworkPolicy and {} agent DaemonSet(s) for generation {}",
                 daemonsets.len(),
                 fabric.metadata.generation.unwrap_or_default()
             ),
@@ -297,6 +346,93 @@ async fn apply_children(fabric: &TransferFabric, ctx: &Context) -> Result<Action
     } else {
         REQUEUE_PROGRESSING
     }))
+}
+
+/// Most `FailedCreate` events read per DaemonSet: the newest few say enough.
+const MAX_EVENTS: u32 = 20;
+
+/// Why the pools that are short of ready agents are so, from their pods and their DaemonSets'
+/// `FailedCreate` events. Read only for such pools, and best effort: the status still shows the
+/// counts when these reads fail.
+async fn diagnose_pools(
+    ctx: &Context,
+    ns: &str,
+    fabric: &str,
+    daemonsets: &[DaemonSet],
+) -> BTreeMap<String, Diagnosis> {
+    let short: Vec<&DaemonSet> = daemonsets
+        .iter()
+        .filter(|ds| {
+            ds.status
+                .as_ref()
+                .is_some_and(|s| s.number_ready < s.desired_number_scheduled)
+        })
+        .collect();
+    let mut out = BTreeMap::new();
+    if short.is_empty() {
+        return out;
+    }
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let selector = format!("{FABRIC_LABEL}={fabric}");
+    let pods = match pods.list(&ListParams::default().labels(&selector)).await {
+        Ok(list) => list.items,
+        Err(e) => {
+            tracing::warn!(error = %e, %selector, "listing agent pods failed");
+            Vec::new()
+        }
+    };
+    let events: Api<CoreEvent> = Api::namespaced(ctx.client.clone(), ns);
+    for ds in short {
+        let ds_name = ds.name_any();
+        let pool = ds.labels().get(POOL_LABEL).cloned().unwrap_or_default();
+        let fields = format!(
+            "involvedObject.kind=DaemonSet,involvedObject.name={ds_name},reason=FailedCreate"
+        );
+        let evs = match events
+            .list(&ListParams::default().fields(&fields).limit(MAX_EVENTS))
+            .await
+        {
+            Ok(list) => list.items,
+            Err(e) => {
+                tracing::warn!(error = %e, %fields, "listing DaemonSet events failed");
+                Vec::new()
+            }
+        };
+        let pool_pods: Vec<Pod> = pods
+            .iter()
+            .filter(|p| p.labels().get(POOL_LABEL) == Some(&pool))
+            .cloned()
+            .collect();
+        if let Some(d) = diagnose(ds, &pool_pods, &evs) {
+            out.insert(pool, d);
+        }
+    }
+    out
+}
+
+/// Deletes `<fabric>-agents` when the spec no longer wants it, if this fabric controls it.
+async fn delete_owned_network_policy(
+    fabric: &TransferFabric,
+    api: &Api<NetworkPolicy>,
+    name: &str,
+) -> Result<()> {
+    let np_name = network_policy_name(name);
+    let existing = api
+        .get_opt(&np_name)
+        .await
+        .map_err(|e| Error::kube(format!("get NetworkPolicy {np_name}"), e))?;
+    let uid = fabric.metadata.uid.as_deref();
+    let owned = existing.is_some_and(|np| {
+        np.owner_references()
+            .iter()
+            .any(|o| o.controller == Some(true) && Some(o.uid.as_str()) == uid)
+    });
+    if owned {
+        api.delete(&np_name, &DeleteParams::background())
+            .await
+            .map_err(|e| Error::kube(format!("delete NetworkPolicy {np_name}"), e))?;
+    }
+    Ok(())
 }
 
 /// Deletes this fabric's DaemonSets whose pool left the spec; returns their names.
@@ -400,7 +536,7 @@ impl SecretData {
 async fn cleanup(fabric: &TransferFabric, ctx: &Context) -> Result<Action> {
     let (name, ns) = name_and_namespace(fabric)?;
     let endpoints = &fabric.spec.etcd.endpoints;
-    let prefix = registry_prefix(&fabric.spec.etcd.key_prefix, &name);
+    let prefix = registry_prefix(&fabric.spec.etcd.key_prefix, &ns, &name);
     if endpoints.is_empty() {
         tracing::info!(fabric = %object_key(fabric), "no etcd endpoints; nothing to clean");
         return Ok(Action::await_change());
@@ -494,6 +630,7 @@ pub async fn run_controller(
         .owns(api::<DaemonSet>(&client, &namespace), children.clone())
         .owns(api::<ConfigMap>(&client, &namespace), children.clone())
         .owns(api::<Service>(&client, &namespace), children.clone())
+        .owns(api::<NetworkPolicy>(&client, &namespace), children.clone())
         .owns(api::<ServiceAccount>(&client, &namespace), children)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)

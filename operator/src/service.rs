@@ -7,10 +7,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvfabric_crds::TransferFabric;
 
 use crate::Result;
-use crate::meta::{
-    AGENT_METRICS_PORT, FABRIC_LABEL, GRPC_PORT, child_meta, fabric_labels, name_and_namespace,
-    service_name,
-};
+use crate::contract::{DATA_PORT, GRPC_PORT, METRICS_PORT};
+use crate::meta::{FABRIC_LABEL, child_meta, fabric_labels, name_and_namespace, service_name};
 
 /// The desired headless Service `<fabric>-agents` selecting every pool's agents.
 pub fn desired_service(fabric: &TransferFabric) -> Result<Service> {
@@ -31,7 +29,8 @@ pub fn desired_service(fabric: &TransferFabric) -> Result<Service> {
             selector: Some(BTreeMap::from([(FABRIC_LABEL.to_owned(), name.clone())])),
             ports: Some(vec![
                 port("grpc", GRPC_PORT),
-                port("metrics", AGENT_METRICS_PORT),
+                port("data", DATA_PORT),
+                port("metrics", METRICS_PORT),
             ]),
             ..ServiceSpec::default()
         }),
@@ -45,7 +44,7 @@ mod tests {
     use crate::fixtures::full;
 
     #[test]
-    fn headless_with_grpc_and_metrics() {
+    fn headless_with_grpc_data_and_metrics() {
         let svc = desired_service(&full()).expect("builds");
         assert_eq!(svc.metadata.name.as_deref(), Some("tf-agents"));
         assert!(svc.metadata.owner_references.is_some());
@@ -60,7 +59,11 @@ mod tests {
             .collect();
         assert_eq!(
             ports,
-            vec![("grpc".to_owned(), 50051), ("metrics".to_owned(), 9090)]
+            vec![
+                ("grpc".to_owned(), 50051),
+                ("data".to_owned(), 50052),
+                ("metrics".to_owned(), 9090)
+            ]
         );
     }
 }

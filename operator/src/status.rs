@@ -1,11 +1,14 @@
 //! The `TransferFabric` status: per-pool agent counts from the DaemonSets, and conditions.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kvfabric_crds::{PoolStatus, TransferFabric, TransferFabricStatus};
 
+use crate::diagnosis::Diagnosis;
 use crate::meta::POOL_LABEL;
 
 /// Condition type: every pool has all its agents ready.
@@ -64,6 +67,7 @@ pub fn pool_statuses(pools: &[String], daemonsets: &[DaemonSet]) -> Vec<PoolStat
                 name: pool.clone(),
                 desired: status.map_or(0, |s| s.desired_number_scheduled),
                 ready: status.map_or(0, |s| s.number_ready),
+                socket_dir: None,
             }
         })
         .collect()
@@ -86,26 +90,41 @@ fn rolled_out(daemonsets: &[DaemonSet]) -> bool {
 }
 
 /// The conditions of a healthy reconcile: one `<pool>Ready` per pool, `Ready`, `Progressing`, and
-/// `Degraded=False`.
-pub fn observed_conditions(pools: &[PoolStatus], daemonsets: &[DaemonSet]) -> Vec<ConditionValue> {
+/// `Degraded=False`. A pool that is short of ready agents takes its reason and detail from
+/// `diagnoses` (pod events and states), so the condition says why.
+pub fn observed_conditions(
+    pools: &[PoolStatus],
+    daemonsets: &[DaemonSet],
+    diagnoses: &BTreeMap<String, Diagnosis>,
+) -> Vec<ConditionValue> {
     let mut out = Vec::with_capacity(pools.len() + 3);
     let mut not_ready = Vec::new();
     for p in pools {
-        let (ok, reason) = if p.desired == 0 {
-            (false, "NoMatchingNodes")
-        } else if p.ready >= p.desired {
-            (true, "AgentsReady")
+        let counts = format!("{} of {} agents ready", p.ready, p.desired);
+        let diagnosis = diagnoses.get(&p.name);
+        let (ok, reason, message) = if p.desired > 0 && p.ready >= p.desired {
+            (true, "AgentsReady", counts)
+        } else if let Some(d) = diagnosis {
+            (false, d.cause.reason(), format!("{counts}: {}", d.detail))
+        } else if p.desired == 0 {
+            (
+                false,
+                "NoMatchingNodes",
+                format!(
+                    "{counts}: no node matches the pool's nodeSelector, affinity and tolerations"
+                ),
+            )
         } else {
-            (false, "AgentsNotReady")
+            (false, "AgentsNotReady", counts)
         };
         if !ok {
-            not_ready.push(p.name.as_str());
+            not_ready.push(format!("{} ({reason})", p.name));
         }
         out.push(ConditionValue::new(
             pool_condition_type(&p.name),
             ok,
             reason,
-            format!("{} of {} agents ready", p.ready, p.desired),
+            message,
         ));
     }
     out.push(if not_ready.is_empty() {
@@ -212,15 +231,20 @@ pub fn with_condition(
     }
 }
 
-/// The status after a successful apply.
+/// The status after a successful apply; `socket_dirs` maps pools to their host socket directory.
 pub fn desired_status(
     fabric: &TransferFabric,
     daemonsets: &[DaemonSet],
+    diagnoses: &BTreeMap<String, Diagnosis>,
+    socket_dirs: &BTreeMap<String, String>,
     now: Timestamp,
 ) -> TransferFabricStatus {
     let names: Vec<String> = fabric.spec.pools.iter().map(|p| p.name.clone()).collect();
-    let pools = pool_statuses(&names, daemonsets);
-    let values = observed_conditions(&pools, daemonsets);
+    let mut pools = pool_statuses(&names, daemonsets);
+    for p in &mut pools {
+        p.socket_dir = socket_dirs.get(&p.name).cloned();
+    }
+    let values = observed_conditions(&pools, daemonsets, diagnoses);
     let old = fabric
         .status
         .as_ref()
@@ -241,6 +265,7 @@ pub fn find<'a>(status: &'a TransferFabricStatus, type_: &str) -> Option<&'a Con
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::diagnosis::Cause;
     use crate::fixtures::full;
     use k8s_openapi::api::apps::v1::DaemonSetStatus;
     use kube::api::ObjectMeta;
@@ -265,6 +290,14 @@ mod tests {
         }
     }
 
+    fn desired_status(
+        f: &TransferFabric,
+        daemonsets: &[DaemonSet],
+        now: Timestamp,
+    ) -> TransferFabricStatus {
+        super::desired_status(f, daemonsets, &BTreeMap::new(), &BTreeMap::new(), now)
+    }
+
     fn cond<'a>(s: &'a TransferFabricStatus, t: &str) -> &'a Condition {
         find(s, t).unwrap_or_else(|| panic!("no {t} condition"))
     }
@@ -284,12 +317,14 @@ mod tests {
                 PoolStatus {
                     name: "prefill".into(),
                     desired: 2,
-                    ready: 2
+                    ready: 2,
+                    socket_dir: None,
                 },
                 PoolStatus {
                     name: "decode".into(),
                     desired: 3,
-                    ready: 3
+                    ready: 3,
+                    socket_dir: None,
                 },
             ]
         );
@@ -316,7 +351,10 @@ mod tests {
         assert_eq!(cond(&s, "prefillReady").status, "False");
         assert_eq!(cond(&s, "prefillReady").message, "1 of 2 agents ready");
         assert_eq!(cond(&s, READY).status, "False");
-        assert!(cond(&s, READY).message.contains("prefill"));
+        assert_eq!(
+            cond(&s, READY).message,
+            "pools not ready: prefill (AgentsNotReady)"
+        );
         assert_eq!(cond(&s, PROGRESSING).status, "True");
     }
 
@@ -329,10 +367,65 @@ mod tests {
             PoolStatus {
                 name: "decode".into(),
                 desired: 0,
-                ready: 0
+                ready: 0,
+                socket_dir: None,
             }
         );
         assert_eq!(cond(&s, "decodeReady").reason, "NoMatchingNodes");
+        assert!(cond(&s, "decodeReady").message.contains("nodeSelector"));
+    }
+
+    #[test]
+    fn not_ready_pools_say_why() {
+        let f = full();
+        let diagnoses = BTreeMap::from([(
+            "prefill".to_owned(),
+            Diagnosis {
+                cause: Cause::Unschedulable,
+                detail: "1× Unschedulable; pod a Pending: 0/5 nodes are available: 3 Insufficient nvidia.com/sriov_rdma_rail0".into(),
+            },
+        )]);
+        let dirs = BTreeMap::from([(
+            "prefill".to_owned(),
+            "/var/run/kvfabric/llm/tf/prefill".to_owned(),
+        )]);
+        let s = super::desired_status(
+            &f,
+            &[ds("prefill", 2, 0), ds("decode", 1, 1)],
+            &diagnoses,
+            &dirs,
+            Timestamp::UNIX_EPOCH,
+        );
+        let c = cond(&s, "prefillReady");
+        assert_eq!(c.reason, "Unschedulable");
+        assert!(
+            c.message.starts_with("0 of 2 agents ready: "),
+            "{}",
+            c.message
+        );
+        assert!(
+            c.message
+                .contains("Insufficient nvidia.com/sriov_rdma_rail0"),
+            "{}",
+            c.message
+        );
+        assert_eq!(
+            cond(&s, READY).message,
+            "pools not ready: prefill (Unschedulable)"
+        );
+        assert_eq!(
+            s.pools[0].socket_dir.as_deref(),
+            Some("/var/run/kvfabric/llm/tf/prefill")
+        );
+        // A ready pool ignores a stale diagnosis.
+        let s = super::desired_status(
+            &f,
+            &[ds("prefill", 2, 2), ds("decode", 1, 1)],
+            &diagnoses,
+            &dirs,
+            Timestamp::UNIX_EPOCH,
+        );
+        assert_eq!(cond(&s, "prefillReady").reason, "AgentsReady");
     }
 
     #[test]

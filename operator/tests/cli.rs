@@ -42,9 +42,140 @@ fn help_exits_0() {
         "--lease-namespace",
         "--namespace",
         "--log-level",
+        "--agent-image",
+        "--agent-image-pull-policy",
+        "--socket-root",
+        "render",
+        "uninstall",
     ] {
         assert!(text.contains(flag), "{flag} missing from --help");
     }
+}
+
+#[test]
+fn bad_agent_settings_exit_64() {
+    for args in [
+        vec!["--socket-root", "relative"],
+        vec!["--agent-image-pull-policy", "Sometimes"],
+        vec!["render", "--file", "x.yaml", "--socket-root", "/"],
+    ] {
+        let out = operator().args(&args).output().expect("runs");
+        assert_eq!(
+            out.status.code(),
+            Some(64),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+fn workspace() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+#[test]
+fn render_prints_the_example_fabrics_objects() {
+    let example = workspace().join("charts/kvfabric/examples/prefill-decode.yaml");
+    let out = operator()
+        .args([
+            "render",
+            "--kube-version",
+            "1.29",
+            "--agent-image",
+            "local/agent:dev",
+            "--file",
+        ])
+        .arg(&example)
+        .output()
+        .expect("runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "kind: DaemonSet",
+        "name: llama-prefill-agent",
+        "name: llama-decode-agent",
+        "kind: ConfigMap",
+        "image: local/agent:dev",
+        "KVFABRIC_ETCD_KEY_PREFIX: /kvfabric/llm",
+    ] {
+        assert!(stdout.contains(needle), "{needle} missing from:\n{stdout}");
+    }
+}
+
+#[test]
+fn render_refuses_an_invalid_fabric_with_exit_1() {
+    let dir = std::env::temp_dir().join(format!("kvfabric-render-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let file = dir.join("bad.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: kvfabric.io/v1alpha1\nkind: TransferFabric\nmetadata: {name: tf, namespace: llm}\nspec:\n  pools: [{name: p}]\n  etcd: {endpoints: [\"http://e:2379\"], keyPrefix: /kvfabric/other-ns}\n",
+    )
+    .expect("write");
+    let out = operator()
+        .args(["render", "--file"])
+        .arg(&file)
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("spec.etcd.keyPrefix"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn socket_dir_helper() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvfabric-socket-dir"))
+}
+
+#[test]
+fn socket_dir_helper_exit_codes() {
+    let dir = std::env::temp_dir().join(format!("kvfabric-sockdir-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // uid/gid of the test process own what it creates, so this needs no privilege.
+    std::fs::create_dir_all(&dir).expect("tmp");
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(&dir).expect("stat");
+    let target = dir.join("llm/tf/prefill");
+    let out = socket_dir_helper()
+        .arg("--dir")
+        .arg(&target)
+        .args([
+            "--uid",
+            &m.uid().to_string(),
+            "--gid",
+            &m.gid().to_string(),
+            "--mode",
+            "2750",
+        ])
+        .output()
+        .expect("runs");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::metadata(&target).expect("stat").mode() & 0o7777,
+        0o2750
+    );
+    for mode in ["4750", "777", "not-octal"] {
+        let out = socket_dir_helper()
+            .arg("--dir")
+            .arg(&target)
+            .args(["--uid", "0", "--gid", "0", "--mode", mode])
+            .output()
+            .expect("runs");
+        let code = out.status.code();
+        assert!(code == Some(1) || code == Some(64), "{mode}: {code:?}");
+        assert_ne!(code, Some(0), "{mode}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A one-shot HTTP server answering every request with 404, like an API server without the CRD.

@@ -6,12 +6,16 @@
 //! trip is an unknown field, and the test fails naming its path.
 //!
 //! The rendered output comes from `scripts/helm-check.sh` (which sets `KVFABRIC_RENDERED_DIR` and
-//! runs this test); without it the chart checks are skipped with a message.
+//! runs this test after validating the same files against the Kubernetes 1.29 and 1.35
+//! schemas); without it the chart checks are skipped with a message. The files hold the chart
+//! (`default.yaml`, `all-features.yaml`) and the operator's own objects for the example and the
+//! all-features fabrics (`objects-*.yaml`, from `kvfabric-operator render`).
 
 use std::path::{Path, PathBuf};
 
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Service, ServiceAccount};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, StatefulSet};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PodSpec, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -137,27 +141,60 @@ fn documents(path: &Path) -> Vec<Value> {
 /// Parses one document strictly into the type of its kind; returns the kind.
 fn check(doc: &Value, file: &str) -> String {
     let kind = doc["kind"].as_str().unwrap_or_default().to_owned();
-    let what = format!("{file}: {kind} {}", doc["metadata"]["name"]);
+    let name = doc["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let what = format!("{file}: {kind} {name}");
     match kind.as_str() {
         "Deployment" => {
             let d: Deployment = strict(doc, &what);
             check_deployment(&d, &what);
         }
+        "DaemonSet" => {
+            let d: DaemonSet = strict(doc, &what);
+            check_agent_daemonset(&d, &what);
+        }
+        "Job" => {
+            let j: Job = strict(doc, &what);
+            check_uninstall_job(&j, &what);
+        }
+        "StatefulSet" => drop(strict::<StatefulSet>(doc, &what)),
+        "ConfigMap" => drop(strict::<ConfigMap>(doc, &what)),
+        "Namespace" => drop(strict::<Namespace>(doc, &what)),
         "ServiceAccount" => drop(strict::<ServiceAccount>(doc, &what)),
         "ClusterRole" => {
             let r: ClusterRole = strict(doc, &what);
-            check_cluster_role(&r);
+            if name.ends_with("-uninstall") {
+                check_uninstall_rules(r.rules.as_deref().unwrap_or_default(), &what);
+            } else {
+                check_operator_rules(r.rules.as_deref().unwrap_or_default(), &what);
+            }
         }
         "ClusterRoleBinding" => drop(strict::<ClusterRoleBinding>(doc, &what)),
         "Role" => {
             let r: Role = strict(doc, &what);
             let rules = r.rules.unwrap_or_default();
-            assert_eq!(rules.len(), 1, "{what}");
-            assert_eq!(
-                rules[0].resources.as_deref(),
-                Some(&["leases".to_owned()][..])
-            );
-            assert_eq!(rules[0].verbs, vec!["get", "create", "update", "patch"]);
+            if name.ends_with("-leader-election") {
+                assert_eq!(rules.len(), 1, "{what}");
+                assert_eq!(
+                    rules[0].resources.as_deref(),
+                    Some(&["leases".to_owned()][..])
+                );
+                assert_eq!(rules[0].verbs, vec!["get", "create", "update", "patch"]);
+            } else if name.ends_with("-etcd-secrets") {
+                // The only Secret access: get, in one namespace, by name where names are given.
+                assert_eq!(rules.len(), 1, "{what}");
+                assert_eq!(
+                    rules[0].resources.as_deref(),
+                    Some(&["secrets".to_owned()][..])
+                );
+                assert_eq!(rules[0].verbs, vec!["get"], "{what}");
+            } else if name.ends_with("-uninstall") {
+                check_uninstall_rules(&rules, &what);
+            } else {
+                check_operator_rules(&rules, &what);
+            }
         }
         "RoleBinding" => drop(strict::<RoleBinding>(doc, &what)),
         "Service" => drop(strict::<Service>(doc, &what)),
@@ -170,23 +207,43 @@ fn check(doc: &Value, file: &str) -> String {
             );
         }
         "ServiceMonitor" => drop(strict::<ServiceMonitor>(doc, &what)),
+        "TransferFabric" => check_fabric(doc, &what),
         other => panic!("{what}: no strict check for kind {other:?}; add one"),
     }
     kind
 }
 
+/// A fabric: strict round trip, the CRD's CEL rules, and the operator's own checks.
+fn check_fabric(doc: &Value, what: &str) {
+    let tf: TransferFabric = strict(doc, what);
+    let problems = kvfabric_operator::spec_checks::problems(
+        &tf,
+        &kvfabric_operator::config::AgentSettings::default(),
+    );
+    assert!(problems.is_empty(), "{what}: {problems:?}");
+    use kube::CustomResourceExt;
+    let crd = TransferFabric::crd();
+    let schema = serde_json::to_value(
+        crd.spec.versions[0]
+            .schema
+            .as_ref()
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .expect("schema"),
+    )
+    .expect("json");
+    kube::core::cel::Validator::new()
+        .validate(&schema, doc, None)
+        .unwrap_or_else(|e| panic!("{what} fails the CRD's CEL rules: {e:?}"));
+}
+
+fn pod_spec_of<'a>(spec: Option<&'a PodSpec>, what: &str) -> &'a PodSpec {
+    spec.unwrap_or_else(|| panic!("{what}: no pod spec"))
+}
+
 fn check_deployment(d: &Deployment, what: &str) {
-    let pod = d
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .expect("pod");
-    let psc = pod.security_context.as_ref().expect("pod securityContext");
-    assert_eq!(psc.run_as_non_root, Some(true), "{what}");
+    let pod = pod_spec_of(d.spec.as_ref().and_then(|s| s.template.spec.as_ref()), what);
+    check_restricted(pod, what);
     let c = &pod.containers[0];
-    let sc = c.security_context.as_ref().expect("securityContext");
-    assert_eq!(sc.read_only_root_filesystem, Some(true), "{what}");
-    assert_eq!(sc.allow_privilege_escalation, Some(false), "{what}");
     let path = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
         p.as_ref()
             .and_then(|p| p.http_get.as_ref())
@@ -214,28 +271,154 @@ fn check_deployment(d: &Deployment, what: &str) {
             .map(|f| f.field_path.as_str()),
         Some("metadata.namespace")
     );
+    let args = c.args.clone().unwrap_or_default();
+    for flag in [
+        "--agent-image=",
+        "--agent-image-pull-policy=",
+        "--socket-root=",
+    ] {
+        assert!(
+            args.iter().any(|a| a.starts_with(flag)),
+            "{what}: no {flag}"
+        );
+    }
 }
 
-fn check_cluster_role(r: &ClusterRole) {
-    let rules = r.rules.as_ref().expect("rules");
-    let verbs = |group: &str, resource: &str| -> Vec<String> {
-        rules
-            .iter()
-            .find(|rule| {
-                rule.api_groups
+/// The Pod Security "restricted" profile, which the operator's own pods meet.
+fn check_restricted(pod: &PodSpec, what: &str) {
+    let psc = pod.security_context.as_ref().expect("pod securityContext");
+    assert_eq!(psc.run_as_non_root, Some(true), "{what}");
+    assert_eq!(
+        psc.seccomp_profile.as_ref().map(|s| s.type_.as_str()),
+        Some("RuntimeDefault"),
+        "{what}"
+    );
+    for c in &pod.containers {
+        let sc = c.security_context.as_ref().expect("securityContext");
+        assert_eq!(sc.read_only_root_filesystem, Some(true), "{what}");
+        assert_eq!(sc.allow_privilege_escalation, Some(false), "{what}");
+        assert_eq!(
+            sc.capabilities.as_ref().and_then(|c| c.drop.clone()),
+            Some(vec!["ALL".to_owned()]),
+            "{what}"
+        );
+    }
+    assert!(
+        pod.volumes.iter().flatten().all(|v| v.host_path.is_none()),
+        "{what}"
+    );
+}
+
+fn check_uninstall_job(j: &Job, what: &str) {
+    let pod = pod_spec_of(j.spec.as_ref().and_then(|s| s.template.spec.as_ref()), what);
+    check_restricted(pod, what);
+    assert_eq!(pod.restart_policy.as_deref(), Some("Never"), "{what}");
+    let args = pod.containers[0].args.clone().unwrap_or_default();
+    assert_eq!(args[0], "uninstall", "{what}");
+    let hook = j
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get("helm.sh/hook"))
+        .map(String::as_str);
+    let fabrics = args.iter().find_map(|a| a.strip_prefix("--fabrics="));
+    match fabrics {
+        Some("delete") => assert_eq!(
+            hook,
+            Some("pre-delete"),
+            "{what}: the operator must still run"
+        ),
+        Some("orphan") => assert_eq!(
+            hook,
+            Some("post-delete"),
+            "{what}: the operator must be gone"
+        ),
+        other => panic!("{what}: --fabrics {other:?}"),
+    }
+}
+
+/// An agent DaemonSet from `kvfabric-operator render`: only the operator's own image and host
+/// paths under the socket root, probes on gRPC health, capabilities only with RDMA.
+fn check_agent_daemonset(d: &DaemonSet, what: &str) {
+    let pod = pod_spec_of(d.spec.as_ref().and_then(|s| s.template.spec.as_ref()), what);
+    for v in pod.volumes.iter().flatten() {
+        if let Some(hp) = &v.host_path {
+            assert!(
+                hp.path.starts_with("/var/run/kvfabric/"),
+                "{what}: hostPath {}",
+                hp.path
+            );
+        }
+    }
+    assert_eq!(pod.host_ipc, None, "{what}");
+    let agent = &pod.containers[0];
+    assert_eq!(
+        agent.image.as_deref(),
+        Some(kvfabric_operator::config::DEFAULT_AGENT_IMAGE),
+        "{what}"
+    );
+    let probe = agent.readiness_probe.as_ref().and_then(|p| p.grpc.as_ref());
+    assert_eq!(
+        probe.and_then(|g| g.service.as_deref()),
+        Some("kvfabric.v1.PeerAgent"),
+        "{what}"
+    );
+    assert!(
+        agent
+            .liveness_probe
+            .as_ref()
+            .and_then(|p| p.grpc.as_ref())
+            .is_some(),
+        "{what}"
+    );
+    let sc = agent.security_context.as_ref().expect("securityContext");
+    assert_eq!(sc.allow_privilege_escalation, Some(false), "{what}");
+    let caps = sc.capabilities.as_ref().expect("capabilities");
+    assert_eq!(caps.drop, Some(vec!["ALL".to_owned()]), "{what}");
+    for cap in caps.add.iter().flatten() {
+        assert_eq!(
+            cap, "IPC_LOCK",
+            "{what}: only IPC_LOCK, for RDMA memory registration"
+        );
+    }
+    let annotations = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.annotations.as_ref())
+        .expect("template annotations");
+    assert!(
+        annotations.contains_key("kvfabric.io/config-hash"),
+        "{what}: no config hash"
+    );
+}
+
+fn rule_verbs(
+    rules: &[k8s_openapi::api::rbac::v1::PolicyRule],
+    group: &str,
+    resource: &str,
+) -> Vec<String> {
+    rules
+        .iter()
+        .find(|rule| {
+            rule.api_groups
+                .as_ref()
+                .is_some_and(|g| g.iter().any(|x| x == group))
+                && rule
+                    .resources
                     .as_ref()
-                    .is_some_and(|g| g.iter().any(|x| x == group))
-                    && rule
-                        .resources
-                        .as_ref()
-                        .is_some_and(|r| r.iter().any(|x| x == resource))
-            })
-            .map(|rule| rule.verbs.clone())
-            .unwrap_or_default()
-    };
+                    .is_some_and(|r| r.iter().any(|x| x == resource))
+        })
+        .map(|rule| rule.verbs.clone())
+        .unwrap_or_default()
+}
+
+fn check_operator_rules(rules: &[k8s_openapi::api::rbac::v1::PolicyRule], what: &str) {
+    let verbs = |g: &str, r: &str| rule_verbs(rules, g, r);
     assert_eq!(
         verbs("kvfabric.io", "transferfabrics"),
-        vec!["get", "list", "watch", "patch"]
+        vec!["get", "list", "watch", "patch"],
+        "{what}"
     );
     assert_eq!(
         verbs("kvfabric.io", "transferfabrics/status"),
@@ -251,8 +434,18 @@ fn check_cluster_role(r: &ClusterRole) {
         "GC deletes them"
     );
     assert_eq!(verbs("events.k8s.io", "events"), vec!["create", "patch"]);
-    // The finalizer reads the etcd Secrets a fabric names: by name, never list or watch.
-    assert_eq!(verbs("", "secrets"), vec!["get"]);
+    assert_eq!(
+        verbs("", "pods"),
+        vec!["list"],
+        "{what}: pods are read, never watched"
+    );
+    assert_eq!(verbs("", "events"), vec!["list"], "{what}");
+    assert!(verbs("networking.k8s.io", "networkpolicies").contains(&"create".to_owned()));
+    // No Secret cluster-wide (or namespace-wide here): only the etcd-secrets Roles read them.
+    assert!(
+        verbs("", "secrets").is_empty(),
+        "{what}: the operator must not read Secrets"
+    );
     for rule in rules {
         assert!(!rule.verbs.iter().any(|v| v == "*"), "no wildcard verbs");
         assert!(
@@ -260,6 +453,15 @@ fn check_cluster_role(r: &ClusterRole) {
             "no wildcard resources"
         );
     }
+}
+
+fn check_uninstall_rules(rules: &[k8s_openapi::api::rbac::v1::PolicyRule], what: &str) {
+    assert_eq!(rules.len(), 1, "{what}");
+    assert_eq!(
+        rule_verbs(rules, "kvfabric.io", "transferfabrics"),
+        vec!["get", "list", "delete", "patch"],
+        "{what}"
+    );
 }
 
 #[test]
@@ -278,50 +480,126 @@ fn rendered_manifests_are_strictly_valid() {
         .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
         .collect();
     files.sort();
-    assert!(
-        !files.is_empty(),
-        "{} holds no rendered *.yaml",
-        dir.display()
-    );
-    for file in &files {
-        let name = file
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let kinds: Vec<String> = documents(file).iter().map(|d| check(d, &name)).collect();
-        for needed in [
-            "CustomResourceDefinition",
-            "Deployment",
-            "ServiceAccount",
-            "ClusterRole",
-            "ClusterRoleBinding",
-            "Service",
-        ] {
-            assert!(kinds.iter().any(|k| k == needed), "{name}: no {needed}");
-        }
-        if name.starts_with("all-features") {
-            for needed in ["NetworkPolicy", "ServiceMonitor", "Role", "RoleBinding"] {
-                assert!(kinds.iter().any(|k| k == needed), "{name}: no {needed}");
+    let names: Vec<String> = files
+        .iter()
+        .filter_map(|f| f.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect();
+    for needed in [
+        "default.yaml",
+        "all-features.yaml",
+        "objects-example-1.29.yaml",
+        "objects-example-1.35.yaml",
+        "objects-kind-1.29.yaml",
+        "objects-kind-1.35.yaml",
+        "objects-all-features-1.29.yaml",
+        "objects-all-features-1.35.yaml",
+        "objects-dra-1.35.yaml",
+    ] {
+        assert!(
+            names.iter().any(|n| n == needed),
+            "{} lacks {needed}",
+            dir.display()
+        );
+    }
+    for (file, name) in files.iter().zip(&names) {
+        let docs = documents(file);
+        let kinds: Vec<String> = docs.iter().map(|d| check(d, name)).collect();
+        let has = |k: &str| kinds.iter().any(|x| x == k);
+        if name == "default.yaml" {
+            for needed in [
+                "CustomResourceDefinition",
+                "Deployment",
+                "ServiceAccount",
+                "ClusterRole",
+                "ClusterRoleBinding",
+                "Service",
+                "Job",
+            ] {
+                assert!(has(needed), "{name}: no {needed}");
             }
-        }
-        if name.starts_with("default") {
             for absent in ["NetworkPolicy", "ServiceMonitor", "Role"] {
-                assert!(
-                    !kinds.iter().any(|k| k == absent),
-                    "{name}: {absent} is optional"
-                );
+                assert!(!has(absent), "{name}: {absent} is optional");
             }
+            check_default_images(&docs);
+        }
+        if name == "all-features.yaml" {
+            for needed in [
+                "NetworkPolicy",
+                "ServiceMonitor",
+                "Role",
+                "RoleBinding",
+                "Job",
+            ] {
+                assert!(has(needed), "{name}: no {needed}");
+            }
+            // watchNamespace: Roles in that namespace only, no ClusterRole for the operator.
+            assert!(
+                !has("ClusterRole"),
+                "{name}: a ClusterRole despite watchNamespace"
+            );
+        }
+        if name.starts_with("objects-") {
+            assert!(
+                has("DaemonSet") && has("ConfigMap") && has("ServiceAccount"),
+                "{name}: {kinds:?}"
+            );
         }
         println!("checked {name}: {kinds:?}");
     }
 }
 
+/// The chart's default images are this release's: the operator's from Chart.yaml's appVersion,
+/// the agent's the operator's own default, both what `scripts/build-images.sh` builds.
+fn check_default_images(docs: &[Value]) {
+    let version = env!("CARGO_PKG_VERSION");
+    let chart = std::fs::read_to_string(workspace().join("charts/kvfabric/Chart.yaml"))
+        .expect("Chart.yaml");
+    assert!(
+        chart.contains(&format!("appVersion: \"{version}\"")),
+        "Chart.yaml appVersion must be the workspace version {version}"
+    );
+    let deployment = docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("deployment");
+    let c = &deployment["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        c["image"],
+        format!("ghcr.io/kvfabric/kvfabric-operator:{version}")
+    );
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        args.contains(
+            &format!(
+                "--agent-image={}",
+                kvfabric_operator::config::DEFAULT_AGENT_IMAGE
+            )
+            .as_str()
+        ),
+        "{args:?}"
+    );
+}
+
 #[test]
-fn example_fabric_is_strictly_valid() {
-    let path = workspace().join("charts/kvfabric/examples/prefill-decode.yaml");
-    let docs = documents(&path);
-    assert_eq!(docs.len(), 1);
-    let tf: TransferFabric = strict(&docs[0], "examples/prefill-decode.yaml");
+fn examples_are_strictly_valid() {
+    let chart = workspace().join("charts/kvfabric");
+    let example = documents(&chart.join("examples/prefill-decode.yaml"));
+    let kinds: Vec<String> = example
+        .iter()
+        .map(|d| check(d, "examples/prefill-decode.yaml"))
+        .collect();
+    assert_eq!(kinds, vec!["Namespace", "TransferFabric"]);
+    // The fabric's namespace admits what the agents need.
+    assert_eq!(
+        example[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+        "privileged"
+    );
+    let tf: TransferFabric = strict(&example[1], "example");
     let roles: Vec<_> = tf.spec.pools.iter().map(|p| p.role).collect();
     assert_eq!(
         roles,
@@ -330,22 +608,35 @@ fn example_fabric_is_strictly_valid() {
             kvfabric_crds::PoolRole::Decode
         ]
     );
-    tf.spec.validate().expect("passes the operator's checks");
-
-    // And the CRD's own CEL rules, evaluated client-side.
-    use kube::CustomResourceExt;
-    let crd = TransferFabric::crd();
-    let schema = serde_json::to_value(
-        crd.spec.versions[0]
-            .schema
-            .as_ref()
-            .and_then(|s| s.open_api_v3_schema.as_ref())
-            .expect("schema"),
-    )
-    .expect("json");
-    kube::core::cel::Validator::new()
-        .validate(&schema, &docs[0], None)
-        .unwrap_or_else(|e| panic!("example fails the CRD's CEL rules: {e:?}"));
+    // Consistent: on the host network, so no Multus network; a shared-HCA device plugin resource.
+    assert!(tf.spec.agent.host_network && tf.spec.agent.networks.is_empty());
+    let etcd = documents(&chart.join("examples/etcd.yaml"));
+    let kinds: Vec<String> = etcd
+        .iter()
+        .map(|d| check(d, "examples/etcd.yaml"))
+        .collect();
+    assert_eq!(kinds, vec!["Service", "StatefulSet"]);
+    assert_eq!(
+        tf.spec.etcd.endpoints,
+        vec!["http://etcd.kvfabric.svc:2379"],
+        "the example fabric uses the example etcd"
+    );
+    let kind = documents(&chart.join("examples/kind.yaml"));
+    let kinds: Vec<String> = kind
+        .iter()
+        .map(|d| check(d, "examples/kind.yaml"))
+        .collect();
+    assert_eq!(kinds, vec!["Namespace", "TransferFabric"]);
+    let demo: TransferFabric = strict(&kind[1], "kind example");
+    assert!(
+        demo.spec.agent.rdma.is_none() && !demo.spec.agent.gpu.enabled,
+        "runs on a laptop"
+    );
+    for f in ["ci/fabric-all-features.yaml", "ci/fabric-dra.yaml"] {
+        for d in documents(&chart.join(f)) {
+            assert_eq!(check(&d, f), "TransferFabric");
+        }
+    }
 }
 
 #[test]
