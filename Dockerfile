@@ -18,7 +18,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY . .
 RUN cargo build --release --locked -p kvfabric-operator --bins \
-    && cargo build --release --locked -p kvfabric-agent --features rdma --bin kvfabric \
+    && cargo build --release --locked -p kvfabric-cli --no-default-features --features rdma,cuda --bin kvfabric \
     && mkdir -p /out \
     && for b in kvfabric-operator kvfabric-socket-dir kvfabric; do \
          objcopy --strip-debug target/release/$b /out/$b; \

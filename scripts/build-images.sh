@@ -106,7 +106,7 @@ fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
 step "cargo build --release (operator; agent with rdma)"
 cargo build --release --locked -p kvfabric-operator --bins
-cargo build --release --locked -p kvfabric-agent --features rdma --bin kvfabric
+cargo build --release --locked -p kvfabric-cli --no-default-features --features rdma,cuda --bin kvfabric
 rel="$CARGO_TARGET_DIR/release"
 
 # SOURCE_DATE_EPOCH: the commit time, so the images' timestamps do not change with each build.

@@ -35,6 +35,10 @@ pub struct AgentArgs {
     #[arg(long, env = env::POOL, default_value = "default")]
     pub pool: String,
 
+    /// What the pool's workers do (the operator sets it from the pool's role).
+    #[arg(long, env = env::POOL_ROLE, value_enum, ignore_case = true)]
+    pub pool_role: Option<PoolRole>,
+
     /// Agent name, unique in the fabric (default: $NODE_NAME, else the host name).
     #[arg(long, env = env::AGENT_NAME)]
     pub name: Option<String>,
@@ -157,6 +161,24 @@ pub struct AgentArgs {
     pub grace_secs: u64,
 }
 
+/// What a pool's workers do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PoolRole {
+    Prefill,
+    Decode,
+    Both,
+}
+
+impl std::fmt::Display for PoolRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PoolRole::Prefill => "prefill",
+            PoolRole::Decode => "decode",
+            PoolRole::Both => "both",
+        })
+    }
+}
+
 /// A validated agent configuration: what `serve` runs. Tests build one with [`AgentConfig::local`]
 /// and change fields, rather than writing command lines.
 #[derive(Debug, Clone)]
@@ -166,6 +188,7 @@ pub struct AgentConfig {
     pub fabric: String,
     pub namespace: String,
     pub pool: String,
+    pub pool_role: Option<PoolRole>,
     /// None: an in-memory registry (this agent alone, or agents of one process sharing a store).
     pub etcd: Option<EtcdConfig>,
     pub peer_token: Option<PeerToken>,
@@ -263,6 +286,7 @@ impl AgentArgs {
             fabric: self.fabric,
             namespace: self.namespace,
             pool: self.pool,
+            pool_role: self.pool_role,
             etcd,
             peer_token,
             socket_dir: self.socket_dir,
@@ -296,6 +320,7 @@ impl AgentConfig {
             "fabric": self.fabric,
             "namespace": self.namespace,
             "pool": self.pool,
+            "pool_role": self.pool_role.map(|r| r.to_string()),
             "registry": self.etcd.as_ref().map_or_else(
                 || serde_json::json!({ "backend": "memory" }),
                 |e| serde_json::json!({
@@ -334,6 +359,7 @@ impl AgentConfig {
             fabric: "test".into(),
             namespace: DEFAULT_NAMESPACE.into(),
             pool: "default".into(),
+            pool_role: None,
             etcd: None,
             peer_token: None,
             socket_dir: socket_dir.into(),

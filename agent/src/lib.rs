@@ -17,6 +17,7 @@ pub mod node;
 pub mod peer_api;
 pub mod peer_link;
 pub mod peer_token;
+pub mod readiness;
 pub mod registry;
 pub mod rpc;
 pub mod server;

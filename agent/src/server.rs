@@ -10,7 +10,6 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvfabric_engine::{
@@ -25,8 +24,6 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Server;
-use tonic_health::ServingStatus;
-use tonic_health::server::HealthReporter;
 use tracing::{info, warn};
 
 use crate::config::AgentConfig;
@@ -39,6 +36,7 @@ use crate::metrics::{Metrics, ServedLabels, SharedMetrics};
 use crate::node::{Node, NodeConfig};
 use crate::peer_api::PeerApi;
 use crate::peer_token::PeerToken;
+use crate::readiness::Readiness;
 use crate::registry::{AgentEntry, SharedRegistry};
 use crate::telemetry::Telemetry;
 
@@ -122,8 +120,8 @@ pub struct Agent {
     config: AgentConfig,
     node: Arc<Node>,
     registry: SharedRegistry,
-    health: HealthReporter,
-    draining: Arc<AtomicBool>,
+    readiness: Arc<Readiness>,
+    follow: JoinHandle<()>,
     api_stop: watch::Sender<bool>,
     data_stop: watch::Sender<bool>,
     api_tasks: Vec<JoinHandle<std::result::Result<(), tonic::transport::Error>>>,
@@ -251,9 +249,7 @@ impl Agent {
         ];
         // Not ready (health and /healthz) until the agent is in the registry.
         let (health, health_svc) = tonic_health::server::health_reporter();
-        health
-            .set_service_status("", ServingStatus::NotServing)
-            .await;
+        let readiness = Readiness::new(health).await;
         let submit_limit = max_submit_bytes(config.max_batch_ops);
         let local_svc = LocalAgentServer::new(LocalApi { node: node.clone() })
             .max_decoding_message_size(submit_limit);
@@ -297,11 +293,10 @@ impl Agent {
                     ),
             ),
         ];
-        let draining = Arc::new(AtomicBool::new(true));
         let metrics_task = tokio::spawn(
             axum::serve(
                 listeners.metrics,
-                metrics_router(node.clone(), draining.clone()),
+                metrics_router(node.clone(), readiness.clone()),
             )
             .with_graceful_shutdown(stopped(data_rx.clone()))
             .into_future(),
@@ -324,16 +319,15 @@ impl Agent {
             .register_agent(AgentEntry {
                 name: name.clone(),
                 pool: config.pool.clone(),
+                role: config.pool_role.map(|r| r.to_string()),
                 node: engine.config().node.clone(),
                 peer_addr,
                 devices,
                 started_at,
             })
             .await?;
-        health.set_serving::<LocalAgentServer<LocalApi>>().await;
-        health.set_serving::<PeerAgentServer<PeerApi>>().await;
-        health.set_service_status("", ServingStatus::Serving).await;
-        draining.store(false, Ordering::Release);
+        readiness.set(true).await;
+        let follow = readiness.follow(registry.clone());
         let ready = Ready {
             agent: name.clone(),
             peer: peer_addr,
@@ -348,8 +342,8 @@ impl Agent {
             config,
             node,
             registry,
-            health,
-            draining,
+            readiness,
+            follow,
             api_stop,
             data_stop,
             api_tasks,
@@ -369,16 +363,8 @@ impl Agent {
         shutdown.await;
         let grace = self.config.grace;
         info!(?grace, "draining");
-        self.draining.store(true, Ordering::Release);
-        self.health
-            .set_service_status("", ServingStatus::NotServing)
-            .await;
-        self.health
-            .set_not_serving::<LocalAgentServer<LocalApi>>()
-            .await;
-        self.health
-            .set_not_serving::<PeerAgentServer<PeerApi>>()
-            .await;
+        self.follow.abort();
+        self.readiness.drain().await;
         if let Err(e) = tokio::time::timeout(grace, self.registry.shutdown()).await {
             warn!(error = %e, "registry shutdown timed out");
         }
@@ -412,7 +398,7 @@ impl Agent {
 
 /// `/metrics` (registry gauges refreshed at scrape time), `/healthz` (ready: in the registry
 /// and not draining; 503 otherwise) and `/livez` (the process answers).
-fn metrics_router(node: Arc<Node>, draining: Arc<AtomicBool>) -> axum::Router {
+fn metrics_router(node: Arc<Node>, readiness: Arc<Readiness>) -> axum::Router {
     use axum::routing::get;
     axum::Router::new()
         .route(
@@ -440,12 +426,12 @@ fn metrics_router(node: Arc<Node>, draining: Arc<AtomicBool>) -> axum::Router {
         .route(
             "/healthz",
             get(move || {
-                let draining = draining.load(Ordering::Acquire);
+                let ready = readiness.is_ready();
                 async move {
-                    if draining {
-                        (axum::http::StatusCode::SERVICE_UNAVAILABLE, "not serving")
-                    } else {
+                    if ready {
                         (axum::http::StatusCode::OK, "ok")
+                    } else {
+                        (axum::http::StatusCode::SERVICE_UNAVAILABLE, "not ready")
                     }
                 }
             }),

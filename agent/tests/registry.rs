@@ -24,6 +24,7 @@ fn agent(name: &str) -> AgentEntry {
     AgentEntry {
         name: name.into(),
         pool: "prefill".into(),
+        role: None,
         node: format!("boot-{name}"),
         peer_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
         devices: Devices::default(),

@@ -386,6 +386,7 @@ fn agent_entry(i: usize) -> AgentEntry {
             "decode"
         }
         .into(),
+        role: None,
         node: format!("boot-id-{i:05}"),
         peer_addr: SocketAddr::new(ip.into(), 50051),
         devices: Devices::default(),

@@ -9,7 +9,7 @@ use kvfabric_crds::TransferFabric;
 use sha2::{Digest, Sha256};
 
 use crate::Result;
-use crate::contract::{agent_key_prefix, env};
+use crate::contract::env;
 use crate::meta::{child_meta, configmap_name, fabric_labels, name_and_namespace};
 
 /// The desired ConfigMap `<fabric>-config`.
@@ -22,9 +22,10 @@ pub fn desired_configmap(fabric: &TransferFabric) -> Result<ConfigMap> {
             env::ETCD_ENDPOINTS.to_owned(),
             spec.etcd.endpoints.join(","),
         ),
+        (env::NAMESPACE.to_owned(), ns.clone()),
         (
             env::ETCD_KEY_PREFIX.to_owned(),
-            agent_key_prefix(&spec.etcd.key_prefix, &ns),
+            spec.etcd.key_prefix.clone(),
         ),
         (
             env::TRANSPORTS.to_owned(),
@@ -90,13 +91,19 @@ mod tests {
     }
 
     #[test]
-    fn the_key_prefix_carries_the_namespace() {
+    fn the_agents_are_told_their_namespace() {
         let mut f = full();
         let a = desired_configmap(&f).expect("builds").data.expect("data");
-        assert_eq!(a[env::ETCD_KEY_PREFIX], "/kvfabric/llm");
+        assert_eq!(a[env::ETCD_KEY_PREFIX], "/kvfabric");
+        assert_eq!(a[env::NAMESPACE], "llm");
         f.metadata.namespace = Some("team-b".into());
         let b = desired_configmap(&f).expect("builds").data.expect("data");
-        assert_eq!(b[env::ETCD_KEY_PREFIX], "/kvfabric/team-b");
+        assert_eq!(b[env::NAMESPACE], "team-b");
+        // So their registry roots differ.
+        let root = |d: &BTreeMap<String, String>| {
+            crate::contract::registry_root(&d[env::ETCD_KEY_PREFIX], &d[env::NAMESPACE], "x")
+        };
+        assert_ne!(root(&a), root(&b));
     }
 
     #[test]

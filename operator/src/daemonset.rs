@@ -101,7 +101,7 @@ fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
         field_env(e::POD_NAMESPACE, "metadata.namespace"),
         value_env(e::POOL, &pool.name),
         value_env(e::POOL_ROLE, pool.role.as_str()),
-        value_env(e::SOCKET_DIR, contract::SOCKET_DIR),
+        value_env(e::SOCKET_DIR, contract::socket::DEFAULT_DIR),
         value_env(e::SOCKET_GROUP, agent.sockets.group.to_string()),
         value_env(e::SOCKET_MODE, agent.sockets.mode.as_str()),
         value_env(e::GRPC_ADDR, addr(contract::GRPC_PORT)),
@@ -215,7 +215,7 @@ fn agent_container(
     configmap: String,
 ) -> Container {
     let mut mounts = vec![
-        mount("socket-dir", contract::SOCKET_DIR, false),
+        mount("socket-dir", contract::socket::DEFAULT_DIR, false),
         mount("tmp", contract::TMP_DIR, false),
     ];
     if fabric.spec.etcd.tls_secret.is_some() {
@@ -273,7 +273,7 @@ fn socket_dir_container(fabric: &TransferFabric, settings: &AgentSettings) -> Co
         command: Some(vec![contract::SOCKET_DIR_HELPER.to_owned()]),
         args: Some(vec![
             "--dir".to_owned(),
-            contract::SOCKET_DIR.to_owned(),
+            contract::socket::DEFAULT_DIR.to_owned(),
             "--uid".to_owned(),
             agent_user(fabric).to_string(),
             "--gid".to_owned(),
@@ -293,7 +293,11 @@ fn socket_dir_container(fabric: &TransferFabric, settings: &AgentSettings) -> Co
             }),
             ..SecurityContext::default()
         }),
-        volume_mounts: Some(vec![mount("socket-dir", contract::SOCKET_DIR, false)]),
+        volume_mounts: Some(vec![mount(
+            "socket-dir",
+            contract::socket::DEFAULT_DIR,
+            false,
+        )]),
         ..Container::default()
     }
 }

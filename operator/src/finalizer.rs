@@ -360,13 +360,13 @@ mod tests {
 
     #[tokio::test]
     async fn deleting_a_fabric_spares_its_namesake_in_another_namespace() {
-        use crate::contract::{agent_key_prefix, registry_prefix};
+        use crate::contract::registry_root;
         let etcd = etcd();
         let mut client = connect(&etcd.url).await;
-        // Keys as the agents write them: `<KVFABRIC_ETCD_KEY_PREFIX>/<fabric>/…`.
+        // Keys as the agents write them: `<prefix>/<namespace>/<fabric>/…`.
         for ns in ["team-a", "team-b"] {
             for fabric in ["llama", "llama2"] {
-                let root = format!("{}/{fabric}", agent_key_prefix("/kvfabric", ns));
+                let root = registry_root("/kvfabric", ns, fabric);
                 client
                     .put(format!("{root}/agents/node-1"), "{}", None)
                     .await
@@ -384,7 +384,7 @@ mod tests {
             &cleaner,
             &policy(),
             &access(&etcd.url),
-            &registry_prefix("/kvfabric", "team-a", "llama"),
+            &(registry_root("/kvfabric", "team-a", "llama") + "/"),
         )
         .await
         .expect("cleans");

@@ -25,7 +25,7 @@ use serde::de::DeserializeOwned;
 use crate::backoff::Backoff;
 use crate::config::AgentSettings;
 use crate::configmap::{config_hash, desired_configmap};
-use crate::contract::{host_socket_dir, registry_prefix};
+use crate::contract::{host_socket_dir, registry_root};
 use crate::daemonset::desired_daemonset;
 use crate::diagnosis::{Diagnosis, diagnose};
 use crate::finalizer::{
@@ -536,7 +536,8 @@ impl SecretData {
 async fn cleanup(fabric: &TransferFabric, ctx: &Context) -> Result<Action> {
     let (name, ns) = name_and_namespace(fabric)?;
     let endpoints = &fabric.spec.etcd.endpoints;
-    let prefix = registry_prefix(&fabric.spec.etcd.key_prefix, &ns, &name);
+    // Every key of the fabric, and no other fabric's: the trailing slash keeps `a` from `ab`.
+    let prefix = registry_root(&fabric.spec.etcd.key_prefix, &ns, &name) + "/";
     if endpoints.is_empty() {
         tracing::info!(fabric = %object_key(fabric), "no etcd endpoints; nothing to clean");
         return Ok(Action::await_change());

@@ -101,7 +101,8 @@ fn render_prints_the_example_fabrics_objects() {
         "name: llama-decode-agent",
         "kind: ConfigMap",
         "image: local/agent:dev",
-        "KVFABRIC_ETCD_KEY_PREFIX: /kvfabric/llm",
+        "KVFABRIC_ETCD_KEY_PREFIX: /kvfabric\n",
+        "KVFABRIC_NAMESPACE: llm",
     ] {
         assert!(stdout.contains(needle), "{needle} missing from:\n{stdout}");
     }

@@ -15,21 +15,30 @@ pub mod socket {
     pub const DEFAULT_DIR: &str = "/var/run/kvfabric";
 }
 
-/// Environment variables the agent reads (each also a `kvfabric agent` flag).
+/// The environment of the agent container. The operator sets these (and `spec.agent.env` may set
+/// none of them: the registry root, the socket directory and the addresses keep fabrics apart);
+/// the agent reads each as a flag's default (`kvfabric agent --help`).
 pub mod env {
     pub const FABRIC: &str = "KVFABRIC_FABRIC";
+    /// The fabric's namespace: the second level of the registry root.
     pub const NAMESPACE: &str = "KVFABRIC_NAMESPACE";
     pub const POOL: &str = "KVFABRIC_POOL";
+    /// The pool's role (`prefill`, `decode`, `both`), published in the agent's registry entry.
+    pub const POOL_ROLE: &str = "KVFABRIC_POOL_ROLE";
     pub const AGENT_NAME: &str = "KVFABRIC_AGENT_NAME";
     pub const ETCD_ENDPOINTS: &str = "KVFABRIC_ETCD_ENDPOINTS";
+    /// The first level of the registry root (`/kvfabric`), without the namespace.
     pub const ETCD_KEY_PREFIX: &str = "KVFABRIC_ETCD_KEY_PREFIX";
     pub const ETCD_USERNAME: &str = "KVFABRIC_ETCD_USERNAME";
     pub const ETCD_PASSWORD: &str = "KVFABRIC_ETCD_PASSWORD";
+    /// Directory with `ca.crt`, `tls.crt`, `tls.key`.
     pub const ETCD_TLS_DIR: &str = "KVFABRIC_ETCD_TLS_DIR";
     pub const PEER_TOKEN: &str = "KVFABRIC_PEER_TOKEN";
     pub const LEASE_TTL_SECS: &str = "KVFABRIC_LEASE_TTL_SECS";
     pub const SOCKET_DIR: &str = "KVFABRIC_SOCKET_DIR";
+    /// Numeric group id the agent gives its sockets.
     pub const SOCKET_GROUP: &str = "KVFABRIC_SOCKET_GROUP";
+    /// Octal mode the agent gives its sockets (`0600`, `0660` or `0666`).
     pub const SOCKET_MODE: &str = "KVFABRIC_SOCKET_MODE";
     pub const GRPC_ADDR: &str = "KVFABRIC_GRPC_ADDR";
     pub const DATA_ADDR: &str = "KVFABRIC_DATA_ADDR";
@@ -48,10 +57,86 @@ pub mod env {
     pub const TRACE_SAMPLE_RATIO: &str = "KVFABRIC_TRACE_SAMPLE_RATIO";
     pub const GRACE_SECS: &str = "KVFABRIC_GRACE_SECS";
     pub const LOG: &str = "KVFABRIC_LOG";
-    /// Set by the DaemonSet from the downward API: the node's name (the agent's default name).
+    /// Node name (downward API): the agent's default name.
     pub const NODE_NAME: &str = "NODE_NAME";
-    /// Set by the DaemonSet from the downward API: what peers dial by default.
+    /// Pod IP (downward API): the address other agents reach this one at by default.
     pub const POD_IP: &str = "POD_IP";
+    /// Pod name and namespace (downward API), for logs.
+    pub const POD_NAME: &str = "POD_NAME";
+    pub const POD_NAMESPACE: &str = "POD_NAMESPACE";
+    /// GPUs the NVIDIA toolkit (runtime class or NRI plugin) injects.
+    pub const NVIDIA_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+    /// Driver libraries the NVIDIA toolkit injects (`compute,utility`: libcuda and nvidia-smi).
+    pub const NVIDIA_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
+    /// Where the CUDA driver caches the kernels it JIT-compiles from the engine's PTX (the root
+    /// filesystem is read-only).
+    pub const CUDA_CACHE_PATH: &str = "CUDA_CACHE_PATH";
+
+    /// Every name the operator may set.
+    pub const RESERVED: [&str; 26] = [
+        NODE_NAME,
+        POD_IP,
+        POD_NAME,
+        POD_NAMESPACE,
+        FABRIC,
+        NAMESPACE,
+        ETCD_ENDPOINTS,
+        ETCD_KEY_PREFIX,
+        TRANSPORTS,
+        OTLP_ENDPOINT,
+        TRACE_SAMPLE_RATIO,
+        POOL,
+        POOL_ROLE,
+        SOCKET_DIR,
+        SOCKET_GROUP,
+        SOCKET_MODE,
+        GRPC_ADDR,
+        DATA_ADDR,
+        METRICS_ADDR,
+        ETCD_USERNAME,
+        ETCD_PASSWORD,
+        ETCD_TLS_DIR,
+        PEER_TOKEN,
+        NVIDIA_VISIBLE_DEVICES,
+        NVIDIA_DRIVER_CAPABILITIES,
+        CUDA_CACHE_PATH,
+    ];
+}
+
+/// Peer API (gRPC) port; also serves the standard gRPC health service.
+pub const GRPC_PORT: i32 = 50051;
+/// tcp data plane port.
+pub const DATA_PORT: i32 = 50052;
+/// Prometheus `/metrics`, `/healthz` and `/livez` port.
+pub const METRICS_PORT: i32 = 9090;
+
+/// gRPC health service the readiness probe asks: SERVING only while the agent is in the
+/// registry (connected, lease held) and not draining.
+pub const READY_SERVICE: &str = "kvfabric.v1.PeerAgent";
+/// gRPC health service the liveness and startup probes ask (the empty name: the server as a
+/// whole): SERVING while the gRPC server runs, whatever etcd does, so an etcd outage does not
+/// restart every agent.
+pub const LIVE_SERVICE: &str = "";
+
+/// A small emptyDir, the only writable place in the agent container besides the socket
+/// directory ([`socket::DEFAULT_DIR`] there; the host directory is per fabric and pool).
+pub const TMP_DIR: &str = "/tmp";
+/// Where the etcd TLS Secret is mounted.
+pub const ETCD_TLS_MOUNT: &str = "/etc/kvfabric/etcd-tls";
+/// Path of the `kvfabric` binary in the agent image.
+pub const AGENT_BINARY: &str = "/usr/local/bin/kvfabric";
+/// Path of the socket directory helper in the agent image.
+pub const SOCKET_DIR_HELPER: &str = "/usr/local/bin/kvfabric-socket-dir";
+/// User and group of the agent image (`nonroot`).
+pub const AGENT_USER: i64 = 65532;
+
+/// Host directory of one pool's sockets: `<socketRoot>/<namespace>/<fabric>/<pool>`, so no agent
+/// of another fabric or pool on the node ever replaces them.
+pub fn host_socket_dir(socket_root: &str, namespace: &str, fabric: &str, pool: &str) -> String {
+    format!(
+        "{}/{namespace}/{fabric}/{pool}",
+        socket_root.trim_end_matches('/')
+    )
 }
 
 /// Default registry key prefix.
@@ -63,7 +148,8 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 /// Where one fabric's keys live: `<prefix>/<namespace>/<fabric>`, so fabrics of the same name in
 /// two namespaces never share keys. Agents write `<root>/agents/<agent>` and
 /// `<root>/segments/<segment>`; the operator deletes everything under `<root>/` when the fabric
-/// goes. Namespace and fabric names are DNS labels, so no root is a prefix of another's keys.
+/// goes. Namespace and fabric names are DNS labels and the prefix is one path segment, so no
+/// root is a prefix of another's keys.
 pub fn registry_root(prefix: &str, namespace: &str, fabric: &str) -> String {
     format!("{}/{namespace}/{fabric}", prefix.trim_end_matches('/'))
 }
@@ -73,11 +159,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn socket_dirs_differ_per_fabric_and_pool() {
+        let dirs = [
+            host_socket_dir("/var/run/kvfabric", "llm", "a", "prefill"),
+            host_socket_dir("/var/run/kvfabric", "llm", "a", "decode"),
+            host_socket_dir("/var/run/kvfabric", "llm", "b", "prefill"),
+            host_socket_dir("/var/run/kvfabric/", "other", "a", "prefill"),
+        ];
+        assert_eq!(dirs[0], "/var/run/kvfabric/llm/a/prefill");
+        assert_eq!(dirs[3], "/var/run/kvfabric/other/a/prefill");
+        for (i, x) in dirs.iter().enumerate() {
+            for y in &dirs[i + 1..] {
+                assert_ne!(x, y);
+            }
+        }
+    }
+
+    #[test]
+    fn reserved_names_are_unique() {
+        let mut names = env::RESERVED.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), env::RESERVED.len());
+    }
+
+    #[test]
     fn roots_of_same_named_fabrics_differ_by_namespace() {
         let a = registry_root("/kvfabric", "team-a", "prod");
         let b = registry_root("/kvfabric/", "team-b", "prod");
         assert_eq!(a, "/kvfabric/team-a/prod");
         assert_eq!(b, "/kvfabric/team-b/prod");
         assert!(!format!("{b}/").starts_with(&format!("{a}/")));
+        // A fabric's root never covers a fabric whose name it begins.
+        let ab = registry_root("/k", "ns", "ab") + "/";
+        assert!(!ab.starts_with(&(registry_root("/k", "ns", "a") + "/")));
     }
 }

@@ -12,6 +12,9 @@ pub struct AgentEntry {
     pub name: String,
     /// Pool this agent serves (`prefill`, `decode`, ...).
     pub pool: String,
+    /// What the pool's workers do (`prefill`, `decode`, `both`), when the operator said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
     /// Machine identity (kernel boot id): same node ⇔ same value.
     pub node: String,
     /// Peer gRPC API (handshake, descriptors) of this agent.
