@@ -151,6 +151,13 @@ impl EngineConfig {
                 "must be 1..=256",
             );
         }
+        if !(1..=u32::MAX as usize).contains(&self.max_batch_ops) {
+            return bad(
+                "max_batch_ops",
+                self.max_batch_ops.to_string(),
+                "must be 1..=2^32-1",
+            );
+        }
         if self.batch_timeout.is_zero() {
             return bad("batch_timeout", "0".into(), "must be positive");
         }
@@ -251,7 +258,7 @@ impl Inner {
 /// A transfer engine. Cheap to clone; clones share everything.
 #[derive(Debug, Clone)]
 pub struct Engine {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl Engine {
@@ -578,13 +585,13 @@ impl Engine {
 /// What this side knows of the peer's regions, indexed by id: a peer agent may serve thousands,
 /// and every batch looks its own up.
 #[derive(Debug)]
-struct Known {
+pub(crate) struct Known {
     descriptor: SegmentDescriptor,
     index: HashMap<RegionId, usize>,
 }
 
 impl Known {
-    fn new(descriptor: SegmentDescriptor) -> Known {
+    pub(crate) fn new(descriptor: SegmentDescriptor) -> Known {
         let index = descriptor
             .regions
             .iter()
@@ -602,10 +609,10 @@ impl Known {
 /// A connected remote segment. Submit batches against it; each carries its transport.
 #[derive(Debug)]
 pub struct Peer {
-    inner: Arc<Inner>,
-    known: RwLock<Known>,
-    selection: Selection,
-    link: Box<dyn Transport>,
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) known: RwLock<Known>,
+    pub(crate) selection: Selection,
+    pub(crate) link: Box<dyn Transport>,
 }
 
 impl Peer {
@@ -730,12 +737,12 @@ impl Peer {
     pub fn run(&self, batch: Batch) -> Result<BatchResult> {
         let (pieces, handle) = self.plan(batch)?;
         self.link
-            .run_here(pieces, handle.job.clone(), handle.started + handle.timeout);
+            .run_here(pieces, handle.job.clone(), handle.deadline());
         handle.wait_blocking()
     }
 
     /// Checks every op, coalesces, and prepares the job; nothing is sent yet.
-    fn plan(&self, batch: Batch) -> Result<(Vec<Piece>, BatchHandle)> {
+    pub(crate) fn plan(&self, batch: Batch) -> Result<(Vec<Piece>, BatchHandle)> {
         let started = Instant::now();
         let limit = self.inner.config.max_batch_ops;
         if batch.ops.len() > limit {
@@ -745,7 +752,9 @@ impl Peer {
                 limit: limit as u64,
             });
         }
-        op::validate(&batch.ops, batch.opcode)?;
+        // Bounds before overlaps: the overlap check sizes bitmaps from offsets, which mean
+        // nothing until they are known to lie inside their regions.
+        op::check_shape(&batch.ops)?;
         let known = self.known.read().unwrap_or_else(|e| e.into_inner());
         let mut locals: Vec<Arc<Region>> = Vec::new();
         let mut remotes: Vec<&RegionDesc> = Vec::new();
@@ -753,6 +762,8 @@ impl Peer {
         // per layer, and a batch of 10^5 ops must not search them three times per op.
         let mut resolved: Vec<(u32, u32)> = Vec::with_capacity(batch.ops.len());
         let (mut local_at, mut remote_at) = (RegionIndex::default(), RegionIndex::default());
+        // What the transports add up (job bytes, chunk sizes) is bounded by this sum.
+        let mut total = 0u64;
         for (i, o) in batch.ops.iter().enumerate() {
             let (l, new) = local_at.number(o.local_region);
             if new {
@@ -780,8 +791,15 @@ impl Peer {
                     region_len: remote.len,
                 });
             }
+            total = total.checked_add(o.len).ok_or(Error::BatchTooLarge {
+                field: "bytes",
+                value: u64::MAX,
+                limit: u64::MAX,
+            })?;
+            // Exact: at most `max_batch_ops` (< 2^32) regions are numbered.
             resolved.push((l as u32, r as u32));
         }
+        op::check_destinations(&batch.ops, batch.opcode)?;
         self.check_locations(&resolved, &locals, &remotes)?;
         let mut pieces = Vec::with_capacity(batch.ops.len());
         for c in op::coalesce(&batch.ops) {

@@ -32,6 +32,14 @@ pub enum Error {
     #[error("op {op}: len is 0")]
     ZeroLength { op: usize },
 
+    #[error("op {op}: {field} {offset} + len {len} passes 2^64")]
+    RangeOverflow {
+        op: usize,
+        field: &'static str,
+        offset: u64,
+        len: u64,
+    },
+
     #[error("ops {first} and {second} overlap in destination region {region} at offset {offset}")]
     OverlappingDestination {
         first: usize,
@@ -230,6 +238,7 @@ impl Error {
             Error::WrongKey { .. } => "wrong_key",
             Error::OutOfBounds { .. } => "out_of_bounds",
             Error::ZeroLength { .. } => "zero_length",
+            Error::RangeOverflow { .. } => "range_overflow",
             Error::OverlappingDestination { .. } => "overlapping_destination",
             Error::EmptyBatch => "empty_batch",
             Error::BatchTooLarge { .. } => "batch_too_large",

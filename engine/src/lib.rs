@@ -8,6 +8,8 @@ pub mod cuda;
 mod engine;
 mod error;
 pub mod frame;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod handshake;
 mod op;
 pub mod rdma;

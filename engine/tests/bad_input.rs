@@ -140,6 +140,104 @@ async fn out_of_bounds_unknown_region_zero_length_and_overlap_are_refused_before
     assert_eq!(bytes(&remote)[..100], lb[..100]);
 }
 
+/// The Submit that once aborted the process: 17 one-byte ops (one past the pairwise overlap
+/// check, so the bitmap ran) whose first `local_offset` is 2^64 - 1. The overlap check ran before
+/// the bounds checks, its size arithmetic wrapped and it asked for 2 EiB. Now the bounds come
+/// first and name the op.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seventeen_one_byte_ops_from_2_64_minus_1_are_out_of_bounds_not_an_abort() {
+    let t = target(config("target")).await;
+    let me = Engine::new(config("initiator")).unwrap();
+    let local = random_region(&me, 8192, 1);
+    let remote = random_region(&t.engine, 8192, 2);
+    let (l, r) = (local.id(), remote.id());
+    let mut ops: Vec<BlockOp> = (0..17).map(|i| op(l, i, r, i, 1)).collect();
+    ops[0].local_offset = u64::MAX;
+    for pref in [TCP, SHM] {
+        let peer = me
+            .connect(&t.engine.descriptor(), pref, None)
+            .await
+            .unwrap();
+        for batch in [Batch::read(ops.clone()), Batch::write(ops.clone())] {
+            let err = peer.submit(batch).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::OutOfBounds {
+                        op: 0,
+                        field: "local_offset",
+                        offset: u64::MAX,
+                        len: 1,
+                        region_len: 8192,
+                        ..
+                    }
+                ),
+                "{pref:?}: {err}"
+            );
+        }
+        // The remote side the same way, and the peer still works.
+        let mut remote_top = ops.clone();
+        remote_top[0].local_offset = 100;
+        remote_top[16].remote_offset = u64::MAX;
+        let err = peer.submit(Batch::write(remote_top)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutOfBounds {
+                    op: 16,
+                    field: "remote_offset",
+                    ..
+                }
+            ),
+            "{pref:?}: {err}"
+        );
+        peer.submit(Batch::read(vec![op(l, 0, r, 0, 64)]))
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+    }
+    assert_eq!(bytes(&local)[..64], bytes(&remote)[..64]);
+}
+
+/// A caller's timeout too large to add to a clock reading waits (for ever, in effect) instead
+/// of panicking the submitting thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_past_the_clock_s_range_is_no_panic() {
+    let t = target(config("target")).await;
+    let me = Engine::new(config("initiator")).unwrap();
+    let local = random_region(&me, 8192, 1);
+    let remote = random_region(&t.engine, 8192, 2);
+    let peer = me.connect(&t.engine.descriptor(), TCP, None).await.unwrap();
+    let ops = vec![op(local.id(), 0, remote.id(), 0, 4096)];
+    let batch = Batch::read(ops.clone()).with_timeout(Duration::MAX);
+    let done = tokio::task::spawn_blocking(move || peer.run(batch).map(|r| r.bytes))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(done, 4096);
+    let peer = me.connect(&t.engine.descriptor(), SHM, None).await.unwrap();
+    let h = peer
+        .submit(Batch::write(ops).with_timeout(Duration::MAX))
+        .unwrap();
+    assert_eq!(h.wait().await.unwrap().bytes, 4096);
+    let err = Engine::new(EngineConfig {
+        max_batch_ops: 1 << 33,
+        ..config("x")
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                field: "max_batch_ops",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_batches_are_refused() {
     let t = target(config("target")).await;

@@ -3,7 +3,7 @@
 #![no_main]
 
 use kvfabric_engine::frame::{
-    FrameKind, HEADER_LEN, Header, decode_crcs, decode_json, decode_manifest, Hello,
+    FrameKind, HEADER_LEN, Header, Hello, decode_crcs, decode_json, decode_manifest,
 };
 use libfuzzer_sys::fuzz_target;
 
