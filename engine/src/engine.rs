@@ -9,15 +9,18 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info};
 
+use crate::auth::DataSecret;
 use crate::batch::{Batch, BatchHandle, BatchResult, Job};
 use crate::cuda::CudaPath;
 use crate::error::{Error, Result, Side};
-use crate::frame::{Entry, Hello, PROTOCOL_VERSION};
+use crate::frame::Entry;
+use crate::handshake::{Credentials, Gate};
 use crate::op::{self, RegionIndex};
 use crate::rdma::{ConnectInfo, RdmaConfig, RdmaExchange, RdmaNicInfo};
 use crate::region::{AccessKey, Lease, Location, Region, RegionId};
 use crate::region_table::RegionTable;
 use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor, local_node_id};
+use crate::throttle::Throttle;
 use crate::transport::select::{Local, NO_EXCHANGE, Preference, Selection, select_for};
 use crate::transport::shm::ShmLink;
 use crate::transport::tcp::{TcpLink, TcpOptions};
@@ -33,8 +36,13 @@ const NOT_BUILT: &str = "rdma is not built into this engine (cargo feature `rdma
 pub struct EngineConfig {
     /// This engine's segment name, as peers and the registry know it.
     pub name: String,
-    /// When set, peers must present it in the handshake.
+    /// When set, peers must present it in the handshake, and those that do (naming this
+    /// segment) are given its descriptor with region keys.
     pub segment_key: Option<u64>,
+    /// The secret every data connection proves it holds before this engine says anything (see
+    /// [`crate::auth`]). None: [`Engine::new`] generates one, so authentication is never off;
+    /// hand [`Engine::data_secret`] to peers over an authenticated channel.
+    pub data_secret: Option<DataSecret>,
     /// Machine identity for locality (default: the kernel boot id).
     pub node: String,
     /// Data connections opened per tcp peer.
@@ -100,6 +108,7 @@ impl Default for EngineConfig {
         EngineConfig {
             name: "kvfabric".into(),
             segment_key: None,
+            data_secret: None,
             node: local_node_id(),
             tcp_connections: 4,
             chunk_bytes: 4 << 20,
@@ -175,6 +184,10 @@ impl EngineConfig {
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) config: EngineConfig,
+    /// `config.data_secret`, or the one generated at start.
+    pub(crate) secret: DataSecret,
+    /// Failed authentications are logged at most this often.
+    pub(crate) auth_log: Throttle,
     pub(crate) regions: RegionTable,
     endpoints: RwLock<Endpoints>,
     next_batch: AtomicU64,
@@ -245,12 +258,13 @@ impl Inner {
         }
     }
 
-    fn hello(&self, remote: &SegmentDescriptor, key: Option<u64>) -> Hello {
-        Hello {
-            protocol: PROTOCOL_VERSION,
-            segment: remote.name.clone(),
-            key,
-            from: self.config.name.clone(),
+    /// What the tcp and shm servers check callers against.
+    pub(crate) fn gate(&self) -> Gate<'_> {
+        Gate {
+            secret: &self.secret,
+            name: &self.config.name,
+            segment_key: self.config.segment_key,
+            idle_timeout: Duration::ZERO,
         }
     }
 }
@@ -269,9 +283,15 @@ impl Engine {
             .thread_name(|i| format!("kvf-shm-{i}"))
             .build()
             .map_err(|e| Error::io("start shm copy pool", std::io::Error::other(e)))?;
+        let secret = config
+            .data_secret
+            .clone()
+            .unwrap_or_else(DataSecret::random);
         Ok(Engine {
             inner: Arc::new(Inner {
                 config,
+                secret,
+                auth_log: Throttle::new(Duration::from_secs(10)),
                 regions: RegionTable::default(),
                 endpoints: RwLock::default(),
                 next_batch: AtomicU64::new(1),
@@ -284,6 +304,12 @@ impl Engine {
 
     pub fn config(&self) -> &EngineConfig {
         &self.inner.config
+    }
+
+    /// The secret this engine's tcp and shm peers must prove they hold: the configured one, or
+    /// the one generated at start. Hand it out only over an authenticated channel.
+    pub fn data_secret(&self) -> &DataSecret {
+        &self.inner.secret
     }
 
     /// Allocates a host region in a memfd (page-aligned, zeroed, shareable with same-node peers).
@@ -477,10 +503,11 @@ impl Engine {
     pub async fn connect(
         &self,
         remote: &SegmentDescriptor,
+        secret: &DataSecret,
         preference: Preference,
         segment_key: Option<u64>,
     ) -> Result<Peer> {
-        self.connect_with(remote, preference, segment_key, None)
+        self.connect_with(remote, secret, preference, segment_key, None)
             .await
     }
 
@@ -489,9 +516,15 @@ impl Engine {
     /// channel), at connect time and whenever a failed QP is rebuilt. Rdma is possible when this
     /// engine has a usable RDMA device and the peer publishes rkeys for its regions; otherwise
     /// the selection (or the error, for `Preference::Only(Rdma)`) says why.
+    ///
+    /// `secret` is the peer engine's data secret (its [`Engine::data_secret`], as its owner
+    /// handed it out): tcp and shm connections prove it, and check the peer proves it too. The
+    /// peer's region keys come from `remote`, unless `segment_key` opens the peer's own
+    /// descriptor (then the peer's answer replaces `remote`).
     pub async fn connect_with(
         &self,
         remote: &SegmentDescriptor,
+        secret: &DataSecret,
         preference: Preference,
         segment_key: Option<u64>,
         rdma: Option<Arc<dyn RdmaExchange>>,
@@ -512,10 +545,16 @@ impl Engine {
         );
         let inner = self.inner.clone();
         let remote = remote.clone();
+        let secret = secret.clone();
         let kind = selection.kind;
         let (link, descriptor) = tokio::task::spawn_blocking(move || {
-            let hello = inner.hello(&remote, segment_key);
-            let pair: (Box<dyn Transport>, SegmentDescriptor) = match kind {
+            let creds = Credentials {
+                secret: &secret,
+                segment: &remote.name,
+                key: segment_key,
+                from: &inner.config.name,
+            };
+            let pair: (Box<dyn Transport>, Option<SegmentDescriptor>) = match kind {
                 TransportKind::Tcp => {
                     let addr = remote
                         .endpoints
@@ -526,14 +565,14 @@ impl Engine {
                         chunk_bytes: inner.config.chunk_bytes,
                         staging_bytes: inner.config.staging_bytes,
                     };
-                    let (link, d) = TcpLink::connect(addr, &hello, opts)?;
+                    let (link, d) = TcpLink::connect(addr, creds, opts)?;
                     (Box::new(link), d)
                 }
                 TransportKind::Shm => {
                     let path = remote.endpoints.shm.clone().expect("selection checked shm");
                     let (link, d) = ShmLink::connect(
                         &path,
-                        &hello,
+                        creds,
                         inner.shm_pool.clone(),
                         inner.config.shm_parallel_min,
                     )?;
@@ -547,7 +586,7 @@ impl Engine {
                         inner.config.cuda_spin,
                         inner.config.cuda_push_by_peer,
                     )?;
-                    (Box::new(link), remote.clone())
+                    (Box::new(link), None)
                 }
                 #[cfg(feature = "rdma")]
                 TransportKind::Rdma => {
@@ -557,7 +596,7 @@ impl Engine {
                         .clone();
                     let exchange = rdma.expect("selection checked the exchange");
                     let link = crate::transport::rdma::RdmaLink::connect(rt, &remote, exchange)?;
-                    (Box::new(link), remote.clone())
+                    (Box::new(link), None)
                 }
                 // Reached in builds without `cuda` or `rdma`; selection refuses those first.
                 #[allow(unreachable_patterns)]
@@ -569,7 +608,8 @@ impl Engine {
                     });
                 }
             };
-            Ok(pair)
+            let (link, told) = pair;
+            Ok((link, told.unwrap_or(remote)))
         })
         .await
         .map_err(|e| Error::io("connect task", std::io::Error::other(e)))??;

@@ -61,6 +61,10 @@ pub enum Error {
     #[error("protocol version mismatch: ours {ours}, peer {theirs}")]
     ProtocolVersion { ours: u32, theirs: u32 },
 
+    /// A data connection's handshake proof did not check out, on either side.
+    #[error("{peer} failed authentication: {reason}")]
+    AuthFailed { peer: String, reason: &'static str },
+
     #[error("wrong segment key for segment {segment:?}")]
     WrongSegmentKey { segment: String },
 
@@ -193,6 +197,19 @@ pub enum Error {
     RdmaFallback { peer: String, reason: String },
 }
 
+/// `s` cut to at most `max` bytes (on a character boundary), marked when cut: values a peer
+/// sent are echoed in errors and logs no longer than this.
+pub(crate) fn truncated(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
 /// Which side of a block op a region belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -243,6 +260,7 @@ impl Error {
             Error::EmptyBatch => "empty_batch",
             Error::BatchTooLarge { .. } => "batch_too_large",
             Error::ProtocolVersion { .. } => "protocol_version",
+            Error::AuthFailed { .. } => crate::handshake::UNAUTHENTICATED,
             Error::WrongSegmentKey { .. } => "wrong_segment_key",
             Error::UnknownSegment { .. } => "unknown_segment",
             Error::Frame(_) => "malformed_frame",

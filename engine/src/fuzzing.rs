@@ -132,3 +132,52 @@ impl Planner {
             .collect())
     }
 }
+
+/// An in-memory stream: reads come from `input`, writes are kept.
+#[derive(Debug)]
+struct Scripted<'a> {
+    input: &'a [u8],
+    output: Vec<u8>,
+}
+
+impl std::io::Read for Scripted<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        std::io::Read::read(&mut self.input, buf)
+    }
+}
+
+impl std::io::Write for Scripted<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.output.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs the target side of the handshake against `input` (what a caller sends) with a fresh
+/// secret, as the tcp and shm servers do. Returns whether the caller was admitted and what the
+/// target wrote back.
+pub fn serve_handshake(input: &[u8], segment_key: Option<u64>) -> (bool, Vec<u8>) {
+    let secret = crate::auth::DataSecret::random();
+    let gate = crate::handshake::Gate {
+        secret: &secret,
+        name: "fuzz-target",
+        segment_key,
+        idle_timeout: std::time::Duration::from_secs(1),
+    };
+    let mut s = Scripted {
+        input,
+        output: Vec::new(),
+    };
+    let descriptor = || SegmentDescriptor {
+        version: DESCRIPTOR_VERSION,
+        name: "fuzz-target".into(),
+        node: "fuzz-node".into(),
+        regions: Vec::new(),
+        endpoints: Endpoints::default(),
+    };
+    let admitted = crate::handshake::server(&mut s, "fuzz", gate, descriptor).is_ok();
+    (admitted, s.output)
+}

@@ -3,6 +3,7 @@
 //!
 //! The engine knows nothing of Kubernetes, etcd or gRPC; an inference process can embed it alone.
 
+pub mod auth;
 mod batch;
 pub mod cuda;
 mod engine;
@@ -16,8 +17,10 @@ pub mod rdma;
 mod region;
 mod region_table;
 mod segment;
+mod throttle;
 pub mod transport;
 
+pub use auth::DataSecret;
 pub use batch::{Batch, BatchHandle, BatchResult, Canceller};
 pub use cuda::{CudaExport, CudaPath, IpcHandle};
 pub use engine::{Engine, EngineConfig, Peer, ServeObserver, ServedChunk};

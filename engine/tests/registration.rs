@@ -45,7 +45,12 @@ async fn an_adopted_memfd_is_sealed_shared_and_guarded_by_the_registrars_key() {
         unsafe { local.as_mut_slice() }.fill(0);
         let read_back = || bytes(&local)[..4096].iter().all(|&b| b == 0xab);
         let peer = me
-            .connect(&t.engine.descriptor(), Preference::Only(kind), None)
+            .connect(
+                &t.engine.descriptor(),
+                t.engine.data_secret(),
+                Preference::Only(kind),
+                None,
+            )
             .await
             .unwrap();
         let read =

@@ -3,7 +3,7 @@
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub(crate) fn write_all_vectored<W: Write>(
     w: &mut W,
@@ -87,13 +87,19 @@ impl Socket for UnixStream {
 }
 
 /// Closes after an error so that the error frame is not lost: closing with unread input makes
-/// the kernel send a reset, which discards what we just wrote. Bounded in time and bytes.
+/// the kernel send a reset, which discards what we just wrote. Bounded in bytes and in time
+/// (in all, not per read: a peer trickling bytes cannot keep us here).
 pub(crate) fn hang_up<S: Socket>(s: &mut S) {
+    const LINGER: Duration = Duration::from_millis(500);
     let _ = s.shutdown(Shutdown::Write);
-    let _ = s.set_timeout(Duration::from_millis(500));
-    let mut scratch = vec![0u8; 1 << 16];
+    let deadline = Instant::now() + LINGER;
+    let mut scratch = [0u8; 16 << 10];
     let mut left: usize = 16 << 20;
     while left > 0 {
+        let now = Instant::now();
+        if now >= deadline || s.set_timeout(deadline - now).is_err() {
+            break;
+        }
         match s.read(&mut scratch) {
             Ok(0) | Err(_) => break,
             Ok(n) => left = left.saturating_sub(n),

@@ -20,8 +20,8 @@ use super::staging::{DirectCopy, Direction, HostPin, Streams, copy_direct, devic
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::error::{Error, Result};
-use crate::frame::{ENTRY_LEN, FLAG_ERROR, FrameError, FrameKind, HEADER_LEN, Header, Hello};
-use crate::handshake::{self, closed_or_io, read_remote_error};
+use crate::frame::{ENTRY_LEN, FLAG_ERROR, FrameError, FrameKind, HEADER_LEN, Header};
+use crate::handshake::{self, Credentials, closed_or_io, read_remote_error};
 use crate::op::Opcode;
 use crate::region::{AccessKey, RawRange, Region, RegionId};
 use crate::segment::SegmentDescriptor;
@@ -51,14 +51,14 @@ struct ShmInner {
 impl ShmLink {
     pub(crate) fn connect(
         path: &Path,
-        hello: &Hello,
+        creds: Credentials<'_>,
         pool: Arc<rayon::ThreadPool>,
         parallel_min: u64,
-    ) -> Result<(ShmLink, SegmentDescriptor)> {
+    ) -> Result<(ShmLink, Option<SegmentDescriptor>)> {
         let peer = path.display().to_string();
         let mut sock = UnixStream::connect(path)
             .map_err(|e| Error::io(format!("connect shm socket {peer}"), e))?;
-        let descriptor = handshake::client(&mut sock, &peer, hello)?;
+        let descriptor = handshake::client(&mut sock, &peer, creds)?.descriptor;
         let inner = ShmInner {
             peer,
             sock: Mutex::new(sock),

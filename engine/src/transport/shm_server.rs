@@ -16,13 +16,13 @@ use crate::frame::{ENTRY_LEN, Entry, FrameError, FrameKind, Header};
 use crate::handshake::{self, closed_or_io, read_header, send_error};
 
 pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: UnixStream, peer: String) {
-    let descriptor = inner.descriptor();
     if handshake::accept(
         &mut stream,
         &peer,
         "shm",
-        &descriptor,
-        inner.config.segment_key,
+        inner.gate(),
+        || inner.descriptor(),
+        &inner.auth_log,
     )
     .is_none()
     {

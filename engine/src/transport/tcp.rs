@@ -25,10 +25,10 @@ use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::error::{Error, Result};
 use crate::frame::{
-    ENTRY_LEN, FLAG_CRC, FLAG_ERROR, FLAG_TRACE, FrameError, FrameKind, HEADER_LEN, Header, Hello,
+    ENTRY_LEN, FLAG_CRC, FLAG_ERROR, FLAG_TRACE, FrameError, FrameKind, HEADER_LEN, Header,
     MAX_ENTRIES, TRACE_LEN, decode_crcs,
 };
-use crate::handshake::{self, closed_or_io, read_header, read_remote_error};
+use crate::handshake::{self, Credentials, closed_or_io, read_header, read_remote_error};
 use crate::op::Opcode;
 use crate::segment::SegmentDescriptor;
 
@@ -102,11 +102,12 @@ pub(crate) struct TcpOptions {
 
 impl TcpLink {
     /// Opens `connections` data connections to `addr` and shakes hands on each. Blocking.
+    /// Returns the peer's descriptor when its answer carried one.
     pub(crate) fn connect(
         addr: SocketAddr,
-        hello: &Hello,
+        creds: Credentials<'_>,
         opts: TcpOptions,
-    ) -> Result<(TcpLink, SegmentDescriptor)> {
+    ) -> Result<(TcpLink, Option<SegmentDescriptor>)> {
         let peer = addr.to_string();
         let mut conns = Vec::with_capacity(opts.connections);
         let mut descriptor = None;
@@ -116,14 +117,15 @@ impl TcpLink {
             stream
                 .set_nodelay(true)
                 .map_err(|e| Error::io("set TCP_NODELAY", e))?;
-            descriptor = Some(handshake::client(&mut stream, &peer, hello)?);
+            let welcomed = handshake::client(&mut stream, &peer, creds)?;
+            descriptor = welcomed.descriptor;
             conns.push(Conn::start(peer.clone(), stream, opts.staging_bytes)?);
         }
         let link = TcpLink {
             conns,
             chunk_bytes: opts.chunk_bytes.max(1),
         };
-        Ok((link, descriptor.expect("at least one connection")))
+        Ok((link, descriptor))
     }
 
     /// Cuts the pieces into chunks of about `chunk_bytes` (splitting large pieces) so a big batch

@@ -30,13 +30,13 @@ use crate::region::{Lease, Location, RawRange};
 const DISCARD_LIMIT: u64 = 1 << 32;
 
 pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String) {
-    let descriptor = inner.descriptor();
     if handshake::accept(
         &mut stream,
         &peer,
         "tcp",
-        &descriptor,
-        inner.config.segment_key,
+        inner.gate(),
+        || inner.descriptor(),
+        &inner.auth_log,
     )
     .is_none()
     {
