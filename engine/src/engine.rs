@@ -82,6 +82,21 @@ pub struct EngineConfig {
     /// RDMA devices, QPs, work-request plans and retries (used in a build with the cargo
     /// feature `rdma`, on a machine with a usable device).
     pub rdma: RdmaConfig,
+    /// A data connection must finish its handshake within this (target side: the connection is
+    /// closed; initiator side: connect and handshake fail with `Io`/`TimedOut`). Default 10 s.
+    pub handshake_timeout: Duration,
+    /// The target closes a data connection that sends nothing for this long (a peer that is
+    /// gone without a FIN, or that stopped reading replies). Initiators keep theirs alive with
+    /// a KeepAlive frame every third of it, so only dead ones are closed. Default 120 s.
+    pub idle_timeout: Duration,
+    /// Data connections served at once, per listener (tcp, shm): one thread each. Past it a new
+    /// caller is refused (`busy`) unless a caller still in its handshake can be dropped for it.
+    /// Default 256.
+    pub max_connections: usize,
+    /// Of those, connections still in their handshake, per listener. When full, the oldest is
+    /// closed to make room: a flood of callers that never speak cannot keep a peer that does
+    /// out (its handshake takes one round trip). Default 32.
+    pub max_unauthenticated: usize,
 }
 
 /// A chunk this engine served as the target.
@@ -123,6 +138,10 @@ impl Default for EngineConfig {
             observer: None,
             staging_bytes: 2 * (4 << 20),
             rdma: RdmaConfig::default(),
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+            max_connections: 256,
+            max_unauthenticated: 32,
         }
     }
 }
@@ -167,8 +186,28 @@ impl EngineConfig {
                 "must be 1..=2^32-1",
             );
         }
-        if self.batch_timeout.is_zero() {
-            return bad("batch_timeout", "0".into(), "must be positive");
+        for (field, t) in [
+            ("batch_timeout", self.batch_timeout),
+            ("handshake_timeout", self.handshake_timeout),
+            ("idle_timeout", self.idle_timeout),
+        ] {
+            if t.is_zero() {
+                return bad(field, "0".into(), "must be positive");
+            }
+        }
+        if !(1..=65536).contains(&self.max_connections) {
+            return bad(
+                "max_connections",
+                self.max_connections.to_string(),
+                "must be 1..=65536",
+            );
+        }
+        if !(1..=self.max_connections).contains(&self.max_unauthenticated) {
+            return bad(
+                "max_unauthenticated",
+                self.max_unauthenticated.to_string(),
+                "must be 1..=max_connections",
+            );
         }
         if self.staging_bytes != 0 && self.staging_bytes < crate::transport::staging::STAGING_MIN {
             return bad(
@@ -258,13 +297,23 @@ impl Inner {
         }
     }
 
+    /// How many connections each listener serves.
+    fn limits(&self) -> listener::Limits {
+        listener::Limits {
+            connections: self.config.max_connections,
+            unauthenticated: self.config.max_unauthenticated,
+        }
+    }
+
     /// What the tcp and shm servers check callers against.
     pub(crate) fn gate(&self) -> Gate<'_> {
         Gate {
             secret: &self.secret,
             name: &self.config.name,
             segment_key: self.config.segment_key,
-            idle_timeout: Duration::ZERO,
+            idle_timeout: self.config.idle_timeout,
+            handshake_timeout: self.config.handshake_timeout,
+            auth_log: &self.auth_log,
         }
     }
 }
@@ -454,9 +503,14 @@ impl Engine {
         self.set_endpoint(|e| e.tcp = Some(addr));
         info!(%addr, segment = %self.inner.config.name, "serving tcp data plane");
         let inner = self.inner.clone();
-        listener::serve(listener, shutdown, "kvf-tcp-serve", move |s, peer| {
-            tcp_server::serve_conn(inner.clone(), s, peer)
-        })
+        let limits = self.inner.limits();
+        listener::serve(
+            listener,
+            shutdown,
+            "kvf-tcp-serve",
+            limits,
+            move |s, peer, a| tcp_server::serve_conn(inner.clone(), s, peer, a),
+        )
         .await;
         self.set_endpoint(|e| e.tcp = None);
         Ok(())
@@ -480,9 +534,14 @@ impl Engine {
         self.set_endpoint(|e| e.shm = Some(path.clone()));
         info!(path = %path.display(), "serving shm data plane");
         let inner = self.inner.clone();
-        listener::serve(listener, shutdown, "kvf-shm-serve", move |s, peer| {
-            shm_server::serve_conn(inner.clone(), s, peer)
-        })
+        let limits = self.inner.limits();
+        listener::serve(
+            listener,
+            shutdown,
+            "kvf-shm-serve",
+            limits,
+            move |s, peer, a| shm_server::serve_conn(inner.clone(), s, peer, a),
+        )
         .await;
         self.set_endpoint(|e| e.shm = None);
         let _ = std::fs::remove_file(&path);
@@ -564,6 +623,7 @@ impl Engine {
                         connections: inner.config.tcp_connections,
                         chunk_bytes: inner.config.chunk_bytes,
                         staging_bytes: inner.config.staging_bytes,
+                        handshake_timeout: inner.config.handshake_timeout,
                     };
                     let (link, d) = TcpLink::connect(addr, creds, opts)?;
                     (Box::new(link), d)
@@ -573,6 +633,7 @@ impl Engine {
                     let (link, d) = ShmLink::connect(
                         &path,
                         creds,
+                        inner.config.handshake_timeout,
                         inner.shm_pool.clone(),
                         inner.config.shm_parallel_min,
                     )?;

@@ -300,6 +300,12 @@ impl Error {
         }
     }
 
+    /// An I/O wait that ran out (a socket timeout).
+    pub(crate) fn timed_out(&self) -> bool {
+        matches!(self, Error::Io { source, .. }
+            if matches!(source.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut))
+    }
+
     /// A copy for fanning one failure out to several waiters (io::Error is not Clone).
     pub(crate) fn duplicate(&self) -> Error {
         match self {

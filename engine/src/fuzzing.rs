@@ -166,6 +166,8 @@ pub fn serve_handshake(input: &[u8], segment_key: Option<u64>) -> (bool, Vec<u8>
         name: "fuzz-target",
         segment_key,
         idle_timeout: std::time::Duration::from_secs(1),
+        handshake_timeout: std::time::Duration::from_secs(1),
+        auth_log: &crate::throttle::Throttle::new(std::time::Duration::from_secs(1)),
     };
     let mut s = Scripted {
         input,
@@ -178,6 +180,10 @@ pub fn serve_handshake(input: &[u8], segment_key: Option<u64>) -> (bool, Vec<u8>
         regions: Vec::new(),
         endpoints: Endpoints::default(),
     };
-    let admitted = crate::handshake::server(&mut s, "fuzz", gate, descriptor).is_ok();
+    let outcome = crate::handshake::server(&mut s, "fuzz", gate, || {}, descriptor);
+    if matches!(outcome, Err(crate::handshake::Refused::Unauthenticated(_))) {
+        crate::handshake::refuse_stranger(&mut s);
+    }
+    let admitted = outcome.is_ok();
     (admitted, s.output)
 }

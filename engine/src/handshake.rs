@@ -2,7 +2,7 @@
 //! then protocol version, segment and key (see [`crate::auth`]).
 
 use std::io::{Read, Write};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::auth::{self, DataSecret, Exchange};
 use crate::error::{Error, RemoteError, Result, truncated};
@@ -13,7 +13,7 @@ use crate::frame::{
 use crate::segment::SegmentDescriptor;
 
 use crate::throttle::Throttle;
-use crate::transport::io::{Socket, hang_up, read_body};
+use crate::transport::io::{Socket, Until, hang_up, read_body};
 use tracing::{info, warn};
 
 /// The wire code of the one refusal a caller that failed authentication gets.
@@ -88,6 +88,8 @@ pub(crate) struct Credentials<'a> {
 pub(crate) struct Welcomed {
     /// Its descriptor with region keys, if we named its segment and presented the segment key.
     pub descriptor: Option<SegmentDescriptor>,
+    /// It closes connections silent for this long (0: never).
+    pub idle_timeout: Duration,
 }
 
 /// Initiator side: answer the challenge, check the target's proof.
@@ -159,6 +161,7 @@ pub(crate) fn client<S: Read + Write>(
     }
     Ok(Welcomed {
         descriptor: welcome.descriptor,
+        idle_timeout: Duration::from_millis(welcome.idle_timeout_ms),
     })
 }
 
@@ -190,6 +193,10 @@ pub(crate) struct Gate<'a> {
     pub name: &'a str,
     pub segment_key: Option<u64>,
     pub idle_timeout: Duration,
+    /// The whole handshake ends within this.
+    pub handshake_timeout: Duration,
+    /// Failed authentications are logged at most this often.
+    pub auth_log: &'a Throttle,
 }
 
 /// A caller that passed the handshake.
@@ -210,10 +217,15 @@ pub(crate) enum Refused {
 
 /// Target side: challenge, check the proof, then the rest; `descriptor` is asked for only when
 /// the caller is entitled to it.
+///
+/// `authenticated` runs once the caller's proof checked out, before anything is said to it. A
+/// caller refused as `Unauthenticated` has not been answered yet: send it [`refuse_stranger`]
+/// (on a socket whose deadline has not passed).
 pub(crate) fn server<S: Read + Write>(
     s: &mut S,
     peer: &str,
     gate: Gate<'_>,
+    authenticated: impl FnOnce(),
     descriptor: impl FnOnce() -> SegmentDescriptor,
 ) -> std::result::Result<Admitted, Refused> {
     let nonce = auth::nonce();
@@ -224,13 +236,8 @@ pub(crate) fn server<S: Read + Write>(
     let body = serde_json::to_vec(&challenge).expect("challenge serializes");
     send_control(s, FrameKind::Challenge, 0, 0, &body)
         .map_err(|e| Refused::Unauthenticated(closed_or_io(e, peer)))?;
-    let hello = match authenticate(s, peer, &gate, &nonce) {
-        Ok(hello) => hello,
-        Err(e) => {
-            refuse_stranger(s);
-            return Err(Refused::Unauthenticated(e));
-        }
-    };
+    let hello = authenticate(s, peer, &gate, &nonce).map_err(Refused::Unauthenticated)?;
+    authenticated();
     let x = Exchange {
         target: &nonce,
         initiator: &hello.nonce,
@@ -321,7 +328,7 @@ fn authenticate<S: Read>(
 }
 
 /// The one answer a caller gets that has not proved itself: no descriptor, no key, no detail.
-fn refuse_stranger<W: Write>(w: &mut W) {
+pub(crate) fn refuse_stranger<W: Write>(w: &mut W) {
     let body = serde_json::to_vec(&RemoteError {
         code: UNAUTHENTICATED.into(),
         message: "authentication failed".into(),
@@ -330,18 +337,45 @@ fn refuse_stranger<W: Write>(w: &mut W) {
     let _ = send_control(w, FrameKind::Welcome, 0, FLAG_ERROR, &body);
 }
 
+/// Tells a caller we will not serve it now (the connection limit), before the challenge.
+pub(crate) fn refuse_busy<W: Write>(w: &mut W) {
+    let body = serde_json::to_vec(&RemoteError {
+        code: "busy".into(),
+        message: "too many connections".into(),
+    })
+    .expect("error serializes");
+    let _ = send_control(w, FrameKind::Welcome, 0, FLAG_ERROR, &body);
+}
+
 /// The target side of a fresh data connection: on success returns the admitted caller (and logs
 /// it); on refusal logs why (failed authentication at most once per `auth_log` interval) and
 /// hangs up so the refusal reaches the peer.
+///
+/// The whole handshake ends within the gate's timeout, however the caller paces its bytes;
+/// after it, reads and writes time out after the gate's idle timeout.
 pub(crate) fn accept<S: Socket>(
     s: &mut S,
     peer: &str,
     transport: &str,
     gate: Gate<'_>,
     descriptor: impl FnOnce() -> SegmentDescriptor,
-    auth_log: &Throttle,
+    authenticated: impl FnOnce(),
 ) -> Option<Admitted> {
-    match server(s, peer, gate, descriptor) {
+    let deadline = Instant::now() + gate.handshake_timeout;
+    let outcome = server(
+        &mut Until { s, deadline },
+        peer,
+        gate,
+        authenticated,
+        descriptor,
+    );
+    if outcome.is_ok()
+        && (s.set_timeout(gate.idle_timeout).is_err()
+            || s.set_send_timeout(gate.idle_timeout).is_err())
+    {
+        return None;
+    }
+    match outcome {
         Ok(admitted) => {
             info!(
                 %peer,
@@ -353,7 +387,10 @@ pub(crate) fn accept<S: Socket>(
             Some(admitted)
         }
         Err(Refused::Unauthenticated(e)) => {
-            if let Some(held_back) = auth_log.allow() {
+            // Past the handshake's deadline, perhaps: a short one of its own.
+            let _ = s.set_send_timeout(Duration::from_millis(200));
+            refuse_stranger(s);
+            if let Some(held_back) = gate.auth_log.allow() {
                 warn!(%peer, error = %e, transport, held_back, "data connection failed authentication");
             }
             hang_up(s);

@@ -58,31 +58,66 @@ pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
 /// The blocking stream sockets the data plane serves (tcp and Unix).
 pub(crate) trait Socket: Read + Write + Sized + Send + 'static {
     fn shutdown(&self, how: Shutdown) -> io::Result<()>;
+    /// Read timeout (None: block for ever).
     fn set_timeout(&self, t: Duration) -> io::Result<()>;
+    fn set_send_timeout(&self, t: Duration) -> io::Result<()>;
     fn duplicate(&self) -> io::Result<Self>;
 }
 
-impl Socket for TcpStream {
-    fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        TcpStream::shutdown(self, how)
-    }
-    fn set_timeout(&self, t: Duration) -> io::Result<()> {
-        self.set_read_timeout(Some(t))
-    }
-    fn duplicate(&self) -> io::Result<Self> {
-        self.try_clone()
+macro_rules! socket {
+    ($t:ty) => {
+        impl Socket for $t {
+            fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+                <$t>::shutdown(self, how)
+            }
+            fn set_timeout(&self, t: Duration) -> io::Result<()> {
+                self.set_read_timeout(Some(t))
+            }
+            fn set_send_timeout(&self, t: Duration) -> io::Result<()> {
+                <$t>::set_write_timeout(self, Some(t))
+            }
+            fn duplicate(&self) -> io::Result<Self> {
+                self.try_clone()
+            }
+        }
+    };
+}
+socket!(TcpStream);
+socket!(UnixStream);
+
+/// A socket whose reads and writes all end by `deadline`, however the peer paces its bytes
+/// (each call gets the time left, not a fresh timeout).
+pub(crate) struct Until<'a, S: Socket> {
+    pub s: &'a mut S,
+    pub deadline: Instant,
+}
+
+impl<S: Socket> Until<'_, S> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        Ok(left)
     }
 }
 
-impl Socket for UnixStream {
-    fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        UnixStream::shutdown(self, how)
+impl<S: Socket> Read for Until<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_timeout(left)?;
+        self.s.read(buf)
     }
-    fn set_timeout(&self, t: Duration) -> io::Result<()> {
-        self.set_read_timeout(Some(t))
+}
+
+impl<S: Socket> Write for Until<'_, S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_send_timeout(left)?;
+        self.s.write(buf)
     }
-    fn duplicate(&self) -> io::Result<Self> {
-        self.try_clone()
+    fn flush(&mut self) -> io::Result<()> {
+        self.s.flush()
     }
 }
 

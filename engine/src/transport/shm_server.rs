@@ -6,23 +6,29 @@ use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use tracing::info;
+use tracing::{debug, info};
 
 use super::fdpass::send_fd;
 use super::io::hang_up;
+use super::listener::Admission;
 use crate::engine::Inner;
 use crate::error::{Error, Result, Side};
 use crate::frame::{ENTRY_LEN, Entry, FrameError, FrameKind, Header};
 use crate::handshake::{self, closed_or_io, read_header, send_error};
 
-pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: UnixStream, peer: String) {
+pub(crate) fn serve_conn(
+    inner: Arc<Inner>,
+    mut stream: UnixStream,
+    peer: String,
+    admission: Admission<UnixStream>,
+) {
     if handshake::accept(
         &mut stream,
         &peer,
         "shm",
         inner.gate(),
         || inner.descriptor(),
-        &inner.auth_log,
+        || admission.authenticated(),
     )
     .is_none()
     {
@@ -32,6 +38,11 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: UnixStream, peer: String
         match serve_one(&inner, &mut stream, &peer) {
             Ok(()) => {}
             Err(Error::PeerClosed { .. }) => break,
+            Err(e) if e.timed_out() => {
+                // Silent past the idle timeout: the initiator dials again when it needs us.
+                debug!(%peer, "closing idle shm connection");
+                break;
+            }
             Err(e) => {
                 info!(%peer, error = %e, "closing shm connection");
                 send_error(&mut stream, FrameKind::MapReply, 0, &e);

@@ -14,12 +14,12 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rustix::net::{SendFlags, send};
 use tracing::{debug, warn};
 
-use super::io::{discard, read_exact_vectored, write_all_vectored};
+use super::io::{Until, discard, read_exact_vectored, write_all_vectored};
 use super::staging::{Span, Staging, device_of};
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
@@ -60,6 +60,9 @@ struct Queue {
     /// Someone (the writer thread or an inline submitter) is writing to the socket.
     busy: bool,
     closed: bool,
+    /// When the last write started (the writer sends a KeepAlive after `Conn::keepalive` of
+    /// silence).
+    last: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -82,6 +85,8 @@ struct Conn {
     tx_staging: Mutex<Option<Staging>>,
     /// The reader's ring (wire → GPU), made at the first GPU read; held by whoever reads.
     rx_staging: Mutex<Option<Staging>>,
+    /// A third of the target's idle timeout: how long the connection may stay silent.
+    keepalive: Option<Duration>,
     /// Bytes queued or on the wire, to spread chunks over connections.
     outstanding: AtomicU64,
     moved: AtomicU64,
@@ -98,6 +103,8 @@ pub(crate) struct TcpOptions {
     pub connections: usize,
     pub chunk_bytes: u64,
     pub staging_bytes: u64,
+    /// Connect and handshake, each connection, within this.
+    pub handshake_timeout: Duration,
 }
 
 impl TcpLink {
@@ -112,14 +119,30 @@ impl TcpLink {
         let mut conns = Vec::with_capacity(opts.connections);
         let mut descriptor = None;
         for _ in 0..opts.connections.max(1) {
-            let mut stream = TcpStream::connect(addr)
+            let deadline = Instant::now() + opts.handshake_timeout;
+            let mut stream = TcpStream::connect_timeout(&addr, opts.handshake_timeout)
                 .map_err(|e| Error::io(format!("connect tcp {peer}"), e))?;
             stream
                 .set_nodelay(true)
                 .map_err(|e| Error::io("set TCP_NODELAY", e))?;
-            let welcomed = handshake::client(&mut stream, &peer, creds)?;
+            let until = &mut Until {
+                s: &mut stream,
+                deadline,
+            };
+            let welcomed = handshake::client(until, &peer, creds)?;
+            // From here on batches carry their own deadlines.
+            stream
+                .set_read_timeout(None)
+                .and_then(|()| stream.set_write_timeout(None))
+                .map_err(|e| Error::io("clear socket timeouts", e))?;
             descriptor = welcomed.descriptor;
-            conns.push(Conn::start(peer.clone(), stream, opts.staging_bytes)?);
+            let keepalive = (!welcomed.idle_timeout.is_zero()).then(|| welcomed.idle_timeout / 3);
+            conns.push(Conn::start(
+                peer.clone(),
+                stream,
+                opts.staging_bytes,
+                keepalive,
+            )?);
         }
         let link = TcpLink {
             conns,
@@ -247,14 +270,22 @@ impl Drop for TcpLink {
 }
 
 impl Conn {
-    fn start(peer: String, stream: TcpStream, staging_bytes: u64) -> Result<Arc<Conn>> {
+    fn start(
+        peer: String,
+        stream: TcpStream,
+        staging_bytes: u64,
+        keepalive: Option<Duration>,
+    ) -> Result<Arc<Conn>> {
         let reader = stream
             .try_clone()
             .map_err(|e| Error::io("clone tcp stream", e))?;
         let conn = Arc::new(Conn {
             peer,
             stream,
-            queue: Mutex::default(),
+            queue: Mutex::new(Queue {
+                last: Some(Instant::now()),
+                ..Queue::default()
+            }),
             wake: Condvar::new(),
             pending: Mutex::default(),
             rstream: reader,
@@ -262,6 +293,7 @@ impl Conn {
             read_turn: Condvar::new(),
             alive: AtomicBool::new(true),
             staging_bytes,
+            keepalive,
             tx_staging: Mutex::new(None),
             rx_staging: Mutex::new(None),
             outstanding: AtomicU64::new(0),
@@ -302,6 +334,7 @@ impl Conn {
             return;
         }
         q.busy = true;
+        q.last = Some(Instant::now());
         drop(q);
         self.write_inline(chunk);
     }
@@ -432,19 +465,37 @@ impl Conn {
         }
     }
 
+    /// The next thing to write: queued work, or a KeepAlive after `keepalive` of silence.
     fn next_work(&self) -> Option<Work> {
         let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if q.closed {
                 return None;
             }
-            if !q.busy
-                && let Some(w) = q.items.pop_front()
-            {
-                q.busy = true;
-                return Some(w);
+            let now = Instant::now();
+            let silent = q.last.map_or(Duration::MAX, |t| now - t);
+            if !q.busy {
+                let work = q.items.pop_front().or_else(|| {
+                    self.keepalive.filter(|&k| silent >= k).map(|_| {
+                        Work::Tail(Header::new(FrameKind::KeepAlive, 0, 0, 0).encode().to_vec())
+                    })
+                });
+                if let Some(w) = work {
+                    q.busy = true;
+                    q.last = Some(now);
+                    return Some(w);
+                }
             }
-            q = self.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+            q = match self.keepalive {
+                Some(k) => {
+                    let wait = k.saturating_sub(silent).max(Duration::from_millis(1));
+                    self.wake
+                        .wait_timeout(q, wait)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+                None => self.wake.wait(q).unwrap_or_else(|e| e.into_inner()),
+            };
         }
     }
 

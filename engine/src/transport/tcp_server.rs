@@ -13,6 +13,7 @@ use tracing::{debug, info};
 
 use super::TransportKind;
 use super::io::{discard, hang_up, read_exact_vectored, write_all_vectored};
+use super::listener::Admission;
 use super::staging::{Span, Staging, device_of};
 use crate::engine::Inner;
 use crate::engine::ServedChunk;
@@ -29,14 +30,19 @@ use crate::region::{Lease, Location, RawRange};
 /// Largest refused payload we drain to keep a connection; past it we just close.
 const DISCARD_LIMIT: u64 = 1 << 32;
 
-pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String) {
+pub(crate) fn serve_conn(
+    inner: Arc<Inner>,
+    mut stream: TcpStream,
+    peer: String,
+    admission: Admission<TcpStream>,
+) {
     if handshake::accept(
         &mut stream,
         &peer,
         "tcp",
         inner.gate(),
         || inner.descriptor(),
-        &inner.auth_log,
+        || admission.authenticated(),
     )
     .is_none()
     {
@@ -55,6 +61,11 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String)
         match conn.serve_one(&mut stream) {
             Ok(()) => {}
             Err(Error::PeerClosed { .. }) | Err(Error::ShuttingDown) => break,
+            Err(e) if e.timed_out() => {
+                // Silent past the idle timeout (live initiators send KeepAlive), or stuck.
+                debug!(peer = %conn.peer, "closing idle tcp data connection");
+                break;
+            }
             Err(e) => {
                 // The stream can no longer be trusted to be in step: say why, then hang up.
                 info!(peer = %conn.peer, error = %e, "closing tcp data connection");
@@ -107,6 +118,8 @@ impl ServerConn {
         self.trace = None;
         self.refusal = None;
         let (opcode, result) = match h.kind {
+            // An idle initiator's sign of life: nothing to answer.
+            FrameKind::KeepAlive if h.len == 0 && h.count == 0 => return Ok(()),
             FrameKind::WriteManifest => (Opcode::Write, self.write(s, &h)),
             FrameKind::ReadManifest => (Opcode::Read, self.read(s, &h)),
             kind => {
