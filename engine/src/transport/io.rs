@@ -48,10 +48,26 @@ pub(crate) fn discard<R: Read>(r: &mut R, mut len: u64, scratch: &mut Vec<u8>) -
     Ok(())
 }
 
+/// Reads exactly `need` bytes into `buf`, growing it only as bytes arrive (to at most twice what
+/// has arrived, or 64 KiB): a header that promises much makes us hold little until the peer has
+/// sent it. `buf` keeps its capacity for the next frame.
+pub(crate) fn read_to_len<R: Read>(r: &mut R, buf: &mut Vec<u8>, need: usize) -> io::Result<()> {
+    const AHEAD: usize = 64 << 10;
+    buf.clear();
+    while buf.len() < need {
+        let have = buf.len();
+        let next = have + (need - have).min(have.max(AHEAD));
+        buf.resize(next, 0);
+        r.read_exact(&mut buf[have..])?;
+    }
+    Ok(())
+}
+
 /// Reads a control body of a length the header decoder has already bounded.
 pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body)?;
+    let need = usize::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    let mut body = Vec::new();
+    read_to_len(r, &mut body, need)?;
     Ok(body)
 }
 
@@ -139,5 +155,45 @@ pub(crate) fn hang_up<S: Socket>(s: &mut S) {
             Ok(0) | Err(_) => break,
             Ok(n) => left = left.saturating_sub(n),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader that hands out `n` bytes and then reports the end.
+    struct Trickle(usize);
+
+    impl Read for Trickle {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = self.0.min(buf.len());
+            buf[..n].fill(7);
+            self.0 -= n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn buffers_grow_with_the_bytes_that_arrived_not_with_the_promise() {
+        let mut buf = Vec::new();
+        // 2 MiB promised, 100 bytes sent: the buffer never passed the first 64 KiB step.
+        let err = read_to_len(&mut Trickle(100), &mut buf, 2 << 20).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        assert!(buf.capacity() <= 64 << 10, "{}", buf.capacity());
+        // 1 MiB promised, 300 KiB sent: at most twice what arrived.
+        let mut buf = Vec::new();
+        read_to_len(&mut Trickle(300 << 10), &mut buf, 1 << 20).unwrap_err();
+        assert!(
+            buf.capacity() <= 2 * (300 << 10) + (64 << 10),
+            "{}",
+            buf.capacity()
+        );
+        // Everything sent: exactly the length, every byte.
+        let mut buf = Vec::new();
+        read_to_len(&mut Trickle(1 << 20), &mut buf, 1 << 20).unwrap();
+        assert_eq!(buf.len(), 1 << 20);
+        assert!(buf.iter().all(|&b| b == 7));
+        assert_eq!(read_body(&mut Trickle(5), 5).unwrap(), [7; 5]);
     }
 }

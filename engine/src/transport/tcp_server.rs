@@ -12,7 +12,7 @@ use std::time::{Instant, SystemTime};
 use tracing::{debug, info};
 
 use super::TransportKind;
-use super::io::{discard, hang_up, read_exact_vectored, write_all_vectored};
+use super::io::{discard, hang_up, read_exact_vectored, read_to_len, write_all_vectored};
 use super::listener::Admission;
 use super::staging::{Span, Staging, device_of};
 use crate::engine::Inner;
@@ -29,6 +29,9 @@ use crate::region::{Lease, Location, RawRange};
 
 /// Largest refused payload we drain to keep a connection; past it we just close.
 const DISCARD_LIMIT: u64 = 1 << 32;
+
+/// A connection's manifest buffer is kept between chunks up to this size (4096 entries).
+const MANIFEST_KEPT: usize = 128 << 10;
 
 pub(crate) fn serve_conn(
     inner: Arc<Inner>,
@@ -149,11 +152,15 @@ impl ServerConn {
     }
 
     fn entries(&mut self, s: &mut TcpStream, h: &Header) -> Result<Vec<crate::frame::Entry>> {
-        self.manifest.resize(h.manifest_len(), 0);
-        s.read_exact(&mut self.manifest)
+        read_to_len(s, &mut self.manifest, h.manifest_len())
             .map_err(|e| closed_or_io(e, &self.peer))?;
         self.trace = decode_trace(h, &self.manifest);
-        Ok(decode_manifest(h, &self.manifest)?)
+        let entries = decode_manifest(h, &self.manifest);
+        // A connection keeps what a usual manifest needs, not the largest it was ever sent.
+        if self.manifest.capacity() > MANIFEST_KEPT {
+            self.manifest = Vec::new();
+        }
+        Ok(entries?)
     }
 
     fn check(&self, entries: &[crate::frame::Entry], writes: bool) -> Result<Checked> {
