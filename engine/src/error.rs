@@ -323,6 +323,16 @@ impl Error {
             Error::NoRdmaDevice { reason } => Error::NoRdmaDevice {
                 reason: reason.clone(),
             },
+            Error::Frame(e) => Error::Frame(e.clone()),
+            Error::Checksum {
+                op,
+                expected,
+                computed,
+            } => Error::Checksum {
+                op: *op,
+                expected: *expected,
+                computed: *computed,
+            },
             other => Error::Remote(other.to_remote()),
         }
     }

@@ -142,6 +142,12 @@ pub enum FrameError {
     },
     #[error("reply tag {found} does not match request tag {expected}")]
     TagMismatch { expected: u64, found: u64 },
+    #[error("reply {field} {claimed} does not match the request's {expected}")]
+    ReplyMismatch {
+        field: &'static str,
+        claimed: u64,
+        expected: u64,
+    },
     #[error("invalid {what} body: {reason}")]
     Body { what: &'static str, reason: String },
 }

@@ -12,7 +12,8 @@ use common::{
     send_frame, target,
 };
 use kvfabric_engine::frame::{
-    Challenge, Entry, FLAG_CRC, FLAG_ERROR, FrameKind, Header, Hello, PROTOCOL_VERSION, Welcome,
+    Challenge, Entry, FLAG_CRC, FLAG_ERROR, FrameError, FrameKind, Header, Hello, PROTOCOL_VERSION,
+    Welcome,
 };
 use kvfabric_engine::{
     AccessKey, Batch, BlockOp, DataSecret, Endpoints, Engine, EngineConfig, Error, Preference,
@@ -424,15 +425,26 @@ async fn garbage_and_truncated_frames_close_only_that_connection() {
     .encode_into(&mut frame);
     frame.extend_from_slice(&[0xAB; 100]);
     s.write_all(&frame).unwrap();
-    drop(s);
+    // We send no more: the target sees the end and must close (not wait, not write more).
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    assert_eq!(
+        s.read_to_end(&mut Vec::new()).unwrap(),
+        0,
+        "closed without a word"
+    );
 
-    // A header cut short.
+    // A header cut short: the same.
     let mut s = raw_connect(&d, t.engine.data_secret());
     s.write_all(&Header::new(FrameKind::ReadManifest, 1, 3, 30).encode()[..20])
         .unwrap();
-    drop(s);
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    assert_eq!(
+        s.read_to_end(&mut Vec::new()).unwrap(),
+        0,
+        "closed without a word"
+    );
 
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The target has closed both, so whatever it wrote is in place now.
     let after = bytes(&remote);
     // Only the 100 delivered bytes may have landed, and only inside the destination range.
     assert!(after[..1000] == rb[..1000] && after[1100..] == rb[1100..]);
@@ -808,4 +820,114 @@ async fn shm_refuses_caller_memory_and_unknown_regions() {
         ),
         "{err}"
     );
+}
+
+/// Reads one read manifest and answers it as `tweak` says: the header, the payload and the crc
+/// trailer it would send, changed.
+fn answer_read(mut s: std::net::TcpStream, tweak: fn(&mut Header, &mut Vec<u8>, &mut Vec<u8>)) {
+    let mut head = [0u8; 32];
+    if s.read_exact(&mut head).is_err() {
+        return;
+    }
+    let h = Header::decode(&head).unwrap();
+    let mut manifest = vec![0u8; h.manifest_len()];
+    s.read_exact(&mut manifest).unwrap();
+    let mut payload = vec![0x5au8; h.len as usize];
+    let mut trailer: Vec<u8> = if h.has(FLAG_CRC) {
+        // One entry per op here: the crc of each entry's bytes.
+        let entries = kvfabric_engine::frame::decode_manifest(&h, &manifest).unwrap();
+        let mut at = 0;
+        entries
+            .iter()
+            .flat_map(|e| {
+                let crc = crc32c::crc32c(&payload[at..at + e.len as usize]);
+                at += e.len as usize;
+                crc.to_le_bytes()
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut reply =
+        Header::new(FrameKind::ReadData, h.tag, h.count, h.len).with_flags(h.flags & FLAG_CRC);
+    tweak(&mut reply, &mut payload, &mut trailer);
+    let _ = s.write_all(&reply.encode());
+    let _ = s.write_all(&payload);
+    let _ = s.write_all(&trailer);
+    // Keep the connection until the initiator drops it.
+    let _ = s.read_to_end(&mut Vec::new());
+}
+
+fn wrong_tag(s: std::net::TcpStream) {
+    answer_read(s, |h, _, _| h.tag += 1);
+}
+
+fn wrong_length(s: std::net::TcpStream) {
+    answer_read(s, |h, p, _| {
+        h.len += 100;
+        p.extend_from_slice(&[0x5a; 100]);
+    });
+}
+
+fn corrupted_payload(s: std::net::TcpStream) {
+    // The crc trailer is of the bytes as they should be; one of them is flipped on the way.
+    answer_read(s, |_, p, _| p[1000] ^= 0xff);
+}
+
+/// A target that answers a read with the wrong tag or length, or corrupts the payload of a
+/// checksummed read: a typed error naming what was wrong, nothing written outside the requested
+/// range (nothing at all when the reply does not match), and a mismatched reply's connection is
+/// dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_target_gets_typed_errors_and_writes_nothing_outside_the_range() {
+    let cases: [(fn(std::net::TcpStream), bool); 3] = [
+        (wrong_tag, false),
+        (wrong_length, false),
+        (corrupted_payload, true),
+    ];
+    for (behaviour, checksum) in cases {
+        let (d, secret) = fake_target(behaviour);
+        let me = Engine::new(EngineConfig {
+            tcp_connections: 1,
+            ..config("initiator")
+        })
+        .unwrap();
+        let local = me.alloc(64 << 10).unwrap();
+        // SAFETY: no batch in flight.
+        unsafe { local.as_mut_slice() }.fill(0x11);
+        let peer = me.connect(&d, &secret, TCP, None).await.unwrap();
+        let batch =
+            Batch::read(vec![op(local.id(), 8192, RegionId(1), 0, 4096)]).with_checksum(checksum);
+        let err = peer.submit(batch).unwrap().wait().await.unwrap_err();
+        let after = bytes(&local);
+        assert!(
+            after[..8192].iter().all(|&b| b == 0x11) && after[12288..].iter().all(|&b| b == 0x11),
+            "written outside the requested range: {err}"
+        );
+        if checksum {
+            assert!(matches!(err, Error::Checksum { op: 0, .. }), "{err}");
+        } else {
+            assert!(
+                matches!(
+                    &err,
+                    Error::Frame(FrameError::TagMismatch { .. })
+                        | Error::Frame(FrameError::ReplyMismatch { field: "len", .. })
+                ),
+                "{err}"
+            );
+            assert!(
+                after[8192..12288].iter().all(|&b| b == 0x11),
+                "{err}: payload read"
+            );
+            // The connection is gone: the next batch fails at once, typed.
+            assert_eq!(peer.stats().connections, 0);
+            let err = peer
+                .submit(Batch::read(vec![op(local.id(), 0, RegionId(1), 0, 16)]))
+                .unwrap()
+                .wait()
+                .await
+                .unwrap_err();
+            assert!(matches!(err, Error::PeerClosed { .. }), "{err}");
+        }
+    }
 }

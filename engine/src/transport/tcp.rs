@@ -603,29 +603,29 @@ impl Conn {
                 expected: "no reply (nothing outstanding)",
             })?;
         self.outstanding.fetch_sub(chunk.bytes, Ordering::Relaxed);
+        // A reply that does not match what we asked fails its batch with what was wrong (and
+        // the connection, which is out of step): nothing of its payload is read.
+        let mismatch = |e: FrameError| {
+            // Closed first: by the time its batch hears why, the connection takes no more.
+            self.close(Error::Frame(e.clone()));
+            chunk.job.piece_failed(Error::Frame(e.clone()));
+            Err(Error::Frame(e))
+        };
         if h.tag != chunk.tag {
-            chunk.job.piece_failed(Error::PeerClosed {
-                peer: self.peer.clone(),
-            });
-            return Err(FrameError::TagMismatch {
+            return mismatch(FrameError::TagMismatch {
                 expected: chunk.tag,
                 found: h.tag,
-            }
-            .into());
+            });
         }
         let expected = match chunk.job.opcode {
             Opcode::Write => FrameKind::Ack,
             Opcode::Read => FrameKind::ReadData,
         };
         if h.kind != expected {
-            chunk.job.piece_failed(Error::PeerClosed {
-                peer: self.peer.clone(),
-            });
-            return Err(FrameError::Unexpected {
+            return mismatch(FrameError::Unexpected {
                 kind: h.kind,
                 expected: "the reply to the oldest outstanding chunk",
-            }
-            .into());
+            });
         }
         if h.has(FLAG_ERROR) {
             let err = read_remote_error(stream, &h, &self.peer)?;
@@ -638,14 +638,19 @@ impl Conn {
             return Ok(());
         }
         if h.len != chunk.bytes || h.count as usize != chunk.pieces.len() {
-            chunk.job.piece_failed(Error::PeerClosed {
-                peer: self.peer.clone(),
+            return mismatch(FrameError::ReplyMismatch {
+                field: if h.len != chunk.bytes { "len" } else { "count" },
+                claimed: if h.len != chunk.bytes {
+                    h.len
+                } else {
+                    u64::from(h.count)
+                },
+                expected: if h.len != chunk.bytes {
+                    chunk.bytes
+                } else {
+                    chunk.pieces.len() as u64
+                },
             });
-            return Err(FrameError::LengthMismatch {
-                claimed: h.len,
-                actual: chunk.bytes,
-            }
-            .into());
         }
         let io = |e| closed_or_io(e, &self.peer);
         if chunk.job.is_cancelled() {
