@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use crate::auth::{self, DataSecret, Exchange};
-use crate::error::{Error, RemoteError, Result, truncated};
+use crate::error::{Error, ErrorKind, RemoteError, Result, truncated};
 use crate::frame::{
     Challenge, FLAG_ERROR, FrameError, FrameKind, HEADER_LEN, Header, Hello, MAX_HELLO_LEN,
     PROTOCOL_VERSION, Welcome, decode_json,
@@ -15,9 +15,6 @@ use crate::segment::SegmentDescriptor;
 use crate::throttle::Throttle;
 use crate::transport::io::{Socket, Until, hang_up, read_body};
 use tracing::{info, warn};
-
-/// The wire code of the one refusal a caller that failed authentication gets.
-pub(crate) const UNAUTHENTICATED: &str = "unauthenticated";
 
 pub(crate) fn read_header<R: Read>(r: &mut R, peer: &str) -> Result<Header> {
     let mut b = [0u8; HEADER_LEN];
@@ -170,15 +167,15 @@ fn typed_refusal(err: Error, peer: &str, segment: &str) -> Error {
     let Error::Remote(remote) = &err else {
         return err;
     };
-    match remote.code.as_str() {
-        UNAUTHENTICATED => Error::AuthFailed {
+    match remote.kind() {
+        Some(ErrorKind::AuthFailed) => Error::AuthFailed {
             peer: peer.into(),
             reason: "it refused our proof (is the data secret the one it was given?)",
         },
-        "wrong_segment_key" => Error::WrongSegmentKey {
+        Some(ErrorKind::WrongSegmentKey) => Error::WrongSegmentKey {
             segment: segment.into(),
         },
-        "unknown_segment" => Error::UnknownSegment {
+        Some(ErrorKind::UnknownSegment) => Error::UnknownSegment {
             segment: segment.into(),
         },
         _ => err,
@@ -330,7 +327,7 @@ fn authenticate<S: Read>(
 /// The one answer a caller gets that has not proved itself: no descriptor, no key, no detail.
 pub(crate) fn refuse_stranger<W: Write>(w: &mut W) {
     let body = serde_json::to_vec(&RemoteError {
-        code: UNAUTHENTICATED.into(),
+        code: ErrorKind::AuthFailed.code().into(),
         message: "authentication failed".into(),
     })
     .expect("error serializes");

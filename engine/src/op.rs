@@ -5,40 +5,8 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+pub use crate::opcode::Opcode;
 use crate::region::RegionId;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Opcode {
-    /// Pull: remote → local.
-    Read,
-    /// Push: local → remote.
-    Write,
-}
-
-impl std::fmt::Display for Opcode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Opcode::Read => "read",
-            Opcode::Write => "write",
-        })
-    }
-}
-
-impl std::str::FromStr for Opcode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "read" => Ok(Opcode::Read),
-            "write" => Ok(Opcode::Write),
-            other => Err(Error::InvalidConfig {
-                field: "op",
-                value: other.into(),
-                reason: "expected read or write",
-            }),
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockOp {
