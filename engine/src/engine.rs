@@ -4,25 +4,26 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Instant;
 
 use tracing::{debug, info};
 
 use crate::auth::DataSecret;
 use crate::batch::{Batch, BatchHandle, BatchResult, Job};
-use crate::cuda::CudaPath;
+pub use crate::engine_config::EngineConfig;
 use crate::error::{Error, Result, Side};
 use crate::frame::Entry;
-use crate::handshake::{Credentials, Gate};
+use crate::handshake::Credentials;
 use crate::op::{self, RegionIndex};
-use crate::rdma::{ConnectInfo, RdmaConfig, RdmaExchange, RdmaNicInfo};
+use crate::rdma::{ConnectInfo, RdmaExchange, RdmaNicInfo};
 use crate::region::{AccessKey, Lease, Location, Region, RegionId};
 use crate::region_table::RegionTable;
-use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor, local_node_id};
-use crate::throttle::Throttle;
+use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor};
 use crate::transport::select::{Local, NO_EXCHANGE, Preference, Selection, select_for};
 use crate::transport::shm::ShmLink;
+use crate::transport::target::Target;
+pub use crate::transport::target::{ServeObserver, ServedChunk};
 use crate::transport::tcp::{TcpLink, TcpOptions};
 use crate::transport::{
     Piece, Transport, TransportKind, TransportStats, listener, shm_server, tcp_server,
@@ -32,202 +33,12 @@ use crate::transport::{
 #[cfg(not(feature = "rdma"))]
 const NOT_BUILT: &str = "rdma is not built into this engine (cargo feature `rdma` is off)";
 
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// This engine's segment name, as peers and the registry know it.
-    pub name: String,
-    /// When set, peers must present it in the handshake, and those that do (naming this
-    /// segment) are given its descriptor with region keys.
-    pub segment_key: Option<u64>,
-    /// The secret every data connection proves it holds before this engine says anything (see
-    /// [`crate::auth`]). None: [`Engine::new`] generates one, so authentication is never off;
-    /// hand [`Engine::data_secret`] to peers over an authenticated channel.
-    pub data_secret: Option<DataSecret>,
-    /// Machine identity for locality (default: the kernel boot id).
-    pub node: String,
-    /// Data connections opened per tcp peer.
-    pub tcp_connections: usize,
-    /// A batch is cut into chunks of about this many bytes, spread over the connections.
-    pub chunk_bytes: u64,
-    /// Default time a batch may take before it fails with `Timeout`.
-    pub batch_timeout: Duration,
-    /// Threads copying for the shm transport.
-    pub shm_threads: usize,
-    /// Batches at least this large are copied by every shm thread at once.
-    pub shm_parallel_min: u64,
-    /// Most ops one batch may carry.
-    pub max_batch_ops: usize,
-    /// How cuda-ipc moves a batch: one kernel over an op list (`Sm`), the copy engines (`Ce`),
-    /// or per batch by its mean copy size (`Auto`, the default).
-    pub cuda_path: CudaPath,
-    /// cuda-ipc completion threads poll their events instead of sleeping in cuEventSynchronize:
-    /// a few µs less latency per batch for one busy core per GPU in use. Off by default.
-    pub cuda_spin: bool,
-    /// `BatchHandle::wait_blocking` polls for completion this long before it sleeps (0: never
-    /// polls). With `cuda_spin`, the lowest latency for single small batches.
-    pub spin_wait: Duration,
-    /// cuda-ipc pushes run on the peer's GPU (which then pulls from ours) when this process can
-    /// use that GPU, so each GPU pulls and both link directions carry data at once.
-    pub cuda_push_by_peer: bool,
-    /// GPU memory over tcp goes through pinned host buffers: this many bytes per tcp connection
-    /// and direction (a ring of units of up to 1 MiB; the copy of one unit overlaps the socket
-    /// I/O of another), allocated at the first GPU batch and reused. Over shm, GPU memory is
-    /// copied straight to and from the peer's mapping (page-locked once), and this only needs to
-    /// be non-zero. 0 turns GPU memory over tcp and shm off: such ops fail with
-    /// `StagingNotConfigured`. Default: 2 × the default `chunk_bytes` (8 MiB).
-    pub staging_bytes: u64,
-    /// Told about every chunk this engine served for a peer (tcp target side), with the trace
-    /// context the initiator sent: how an embedding agent traces the work it does for others.
-    pub observer: Option<Arc<dyn ServeObserver>>,
-    /// RDMA devices, QPs, work-request plans and retries (used in a build with the cargo
-    /// feature `rdma`, on a machine with a usable device).
-    pub rdma: RdmaConfig,
-    /// A data connection must finish its handshake within this (target side: the connection is
-    /// closed; initiator side: connect and handshake fail with `Io`/`TimedOut`). Default 10 s.
-    pub handshake_timeout: Duration,
-    /// The target closes a data connection that sends nothing for this long (a peer that is
-    /// gone without a FIN, or that stopped reading replies). Initiators keep theirs alive with
-    /// a KeepAlive frame every third of it, so only dead ones are closed. Default 120 s.
-    pub idle_timeout: Duration,
-    /// Data connections served at once, per listener (tcp, shm): one thread each. Past it a new
-    /// caller is refused (`busy`) unless a caller still in its handshake can be dropped for it.
-    /// Default 256.
-    pub max_connections: usize,
-    /// Of those, connections still in their handshake, per listener. When full, the oldest is
-    /// closed to make room: a flood of callers that never speak cannot keep a peer that does
-    /// out (its handshake takes one round trip). Default 32.
-    pub max_unauthenticated: usize,
-}
-
-/// A chunk this engine served as the target.
-#[derive(Debug, Clone)]
-pub struct ServedChunk<'a> {
-    pub peer: &'a str,
-    pub opcode: crate::op::Opcode,
-    pub ops: u32,
-    pub bytes: u64,
-    pub started: std::time::SystemTime,
-    pub elapsed: Duration,
-    pub trace: Option<crate::frame::TraceContext>,
-    /// Why the chunk was refused or failed.
-    pub error: Option<String>,
-}
-
-pub trait ServeObserver: Send + Sync + std::fmt::Debug {
-    fn served(&self, chunk: &ServedChunk<'_>);
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        EngineConfig {
-            name: "kvfabric".into(),
-            segment_key: None,
-            data_secret: None,
-            node: local_node_id(),
-            tcp_connections: 4,
-            chunk_bytes: 4 << 20,
-            batch_timeout: Duration::from_secs(30),
-            shm_threads: cores.clamp(1, 8),
-            shm_parallel_min: 4 << 20,
-            max_batch_ops: 1 << 20,
-            cuda_path: CudaPath::Auto,
-            cuda_spin: false,
-            spin_wait: Duration::ZERO,
-            cuda_push_by_peer: true,
-            observer: None,
-            staging_bytes: 2 * (4 << 20),
-            rdma: RdmaConfig::default(),
-            handshake_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(120),
-            max_connections: 256,
-            max_unauthenticated: 32,
-        }
-    }
-}
-
-impl EngineConfig {
-    fn validate(&self) -> Result<()> {
-        let bad = |field, value: String, reason| {
-            Err(Error::InvalidConfig {
-                field,
-                value,
-                reason,
-            })
-        };
-        if self.name.is_empty() {
-            return bad("name", String::new(), "must not be empty");
-        }
-        if !(1..=64).contains(&self.tcp_connections) {
-            return bad(
-                "tcp_connections",
-                self.tcp_connections.to_string(),
-                "must be 1..=64",
-            );
-        }
-        if self.chunk_bytes < 4096 {
-            return bad(
-                "chunk_bytes",
-                self.chunk_bytes.to_string(),
-                "must be >= 4096",
-            );
-        }
-        if !(1..=256).contains(&self.shm_threads) {
-            return bad(
-                "shm_threads",
-                self.shm_threads.to_string(),
-                "must be 1..=256",
-            );
-        }
-        if !(1..=u32::MAX as usize).contains(&self.max_batch_ops) {
-            return bad(
-                "max_batch_ops",
-                self.max_batch_ops.to_string(),
-                "must be 1..=2^32-1",
-            );
-        }
-        for (field, t) in [
-            ("batch_timeout", self.batch_timeout),
-            ("handshake_timeout", self.handshake_timeout),
-            ("idle_timeout", self.idle_timeout),
-        ] {
-            if t.is_zero() {
-                return bad(field, "0".into(), "must be positive");
-            }
-        }
-        if !(1..=65536).contains(&self.max_connections) {
-            return bad(
-                "max_connections",
-                self.max_connections.to_string(),
-                "must be 1..=65536",
-            );
-        }
-        if !(1..=self.max_connections).contains(&self.max_unauthenticated) {
-            return bad(
-                "max_unauthenticated",
-                self.max_unauthenticated.to_string(),
-                "must be 1..=max_connections",
-            );
-        }
-        if self.staging_bytes != 0 && self.staging_bytes < crate::transport::staging::STAGING_MIN {
-            return bad(
-                "staging_bytes",
-                self.staging_bytes.to_string(),
-                "must be 0 (off) or >= 8192",
-            );
-        }
-        self.rdma.validate()
-    }
-}
-
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) config: EngineConfig,
-    /// `config.data_secret`, or the one generated at start.
-    pub(crate) secret: DataSecret,
-    /// Failed authentications are logged at most this often.
-    pub(crate) auth_log: Throttle,
-    pub(crate) regions: RegionTable,
+    pub(crate) regions: Arc<RegionTable>,
+    /// What the tcp and shm servers serve (the regions again, the secret, the settings).
+    pub(crate) target: Arc<Target>,
     endpoints: RwLock<Endpoints>,
     next_batch: AtomicU64,
     shm_pool: Arc<rayon::ThreadPool>,
@@ -296,26 +107,6 @@ impl Inner {
                 .clone(),
         }
     }
-
-    /// How many connections each listener serves.
-    fn limits(&self) -> listener::Limits {
-        listener::Limits {
-            connections: self.config.max_connections,
-            unauthenticated: self.config.max_unauthenticated,
-        }
-    }
-
-    /// What the tcp and shm servers check callers against.
-    pub(crate) fn gate(&self) -> Gate<'_> {
-        Gate {
-            secret: &self.secret,
-            name: &self.config.name,
-            segment_key: self.config.segment_key,
-            idle_timeout: self.config.idle_timeout,
-            handshake_timeout: self.config.handshake_timeout,
-            auth_log: &self.auth_log,
-        }
-    }
 }
 
 /// A transfer engine. Cheap to clone; clones share everything.
@@ -336,19 +127,29 @@ impl Engine {
             .data_secret
             .clone()
             .unwrap_or_else(DataSecret::random);
-        Ok(Engine {
-            inner: Arc::new(Inner {
+        let regions = Arc::new(RegionTable::default());
+        // The servers ask for the descriptor through a weak handle: they hold the target, and
+        // the engine holds them no longer than its own life.
+        let inner = Arc::new_cyclic(|me: &Weak<Inner>| {
+            let me = me.clone();
+            let describe = Box::new(move || me.upgrade().map(|inner| inner.descriptor()));
+            Inner {
+                target: Arc::new(Target::new(
+                    regions.clone(),
+                    config.clone(),
+                    secret,
+                    describe,
+                )),
                 config,
-                secret,
-                auth_log: Throttle::new(Duration::from_secs(10)),
-                regions: RegionTable::default(),
+                regions,
                 endpoints: RwLock::default(),
                 next_batch: AtomicU64::new(1),
                 shm_pool: Arc::new(pool),
                 #[cfg(feature = "rdma")]
                 rdma: std::sync::OnceLock::new(),
-            }),
-        })
+            }
+        });
+        Ok(Engine { inner })
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -358,7 +159,7 @@ impl Engine {
     /// The secret this engine's tcp and shm peers must prove they hold: the configured one, or
     /// the one generated at start. Hand it out only over an authenticated channel.
     pub fn data_secret(&self) -> &DataSecret {
-        &self.inner.secret
+        &self.inner.target.secret
     }
 
     /// Allocates a host region in a memfd (page-aligned, zeroed, shareable with same-node peers).
@@ -502,14 +303,14 @@ impl Engine {
             .map_err(|e| Error::io("tcp listener address", e))?;
         self.set_endpoint(|e| e.tcp = Some(addr));
         info!(%addr, segment = %self.inner.config.name, "serving tcp data plane");
-        let inner = self.inner.clone();
-        let limits = self.inner.limits();
+        let target = self.inner.target.clone();
+        let limits = target.limits();
         listener::serve(
             listener,
             shutdown,
             "kvf-tcp-serve",
             limits,
-            move |s, peer, a| tcp_server::serve_conn(inner.clone(), s, peer, a),
+            move |s, peer, a| tcp_server::serve_conn(target.clone(), s, peer, a),
         )
         .await;
         self.set_endpoint(|e| e.tcp = None);
@@ -533,14 +334,14 @@ impl Engine {
             })?;
         self.set_endpoint(|e| e.shm = Some(path.clone()));
         info!(path = %path.display(), "serving shm data plane");
-        let inner = self.inner.clone();
-        let limits = self.inner.limits();
+        let target = self.inner.target.clone();
+        let limits = target.limits();
         listener::serve(
             listener,
             shutdown,
             "kvf-shm-serve",
             limits,
-            move |s, peer, a| shm_server::serve_conn(inner.clone(), s, peer, a),
+            move |s, peer, a| shm_server::serve_conn(target.clone(), s, peer, a),
         )
         .await;
         self.set_endpoint(|e| e.shm = None);

@@ -173,12 +173,14 @@ pub fn serve_handshake(input: &[u8], segment_key: Option<u64>) -> (bool, Vec<u8>
         input,
         output: Vec::new(),
     };
-    let descriptor = || SegmentDescriptor {
-        version: DESCRIPTOR_VERSION,
-        name: "fuzz-target".into(),
-        node: "fuzz-node".into(),
-        regions: Vec::new(),
-        endpoints: Endpoints::default(),
+    let descriptor = || {
+        Some(SegmentDescriptor {
+            version: DESCRIPTOR_VERSION,
+            name: "fuzz-target".into(),
+            node: "fuzz-node".into(),
+            regions: Vec::new(),
+            endpoints: Endpoints::default(),
+        })
     };
     let outcome = crate::handshake::server(&mut s, "fuzz", gate, || {}, descriptor);
     if matches!(outcome, Err(crate::handshake::Refused::Unauthenticated(_))) {

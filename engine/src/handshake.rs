@@ -223,7 +223,7 @@ pub(crate) fn server<S: Read + Write>(
     peer: &str,
     gate: Gate<'_>,
     authenticated: impl FnOnce(),
-    descriptor: impl FnOnce() -> SegmentDescriptor,
+    descriptor: impl FnOnce() -> Option<SegmentDescriptor>,
 ) -> std::result::Result<Admitted, Refused> {
     let nonce = auth::nonce();
     let challenge = Challenge {
@@ -278,7 +278,7 @@ pub(crate) fn server<S: Read + Write>(
         protocol: PROTOCOL_VERSION,
         proof: x.target_proof(gate.secret),
         idle_timeout_ms: u64::try_from(gate.idle_timeout.as_millis()).unwrap_or(u64::MAX),
-        descriptor: key_holder.then(descriptor),
+        descriptor: key_holder.then(descriptor).flatten(),
     };
     let body = serde_json::to_vec(&welcome).expect("welcome serializes");
     send_control(s, FrameKind::Welcome, 0, 0, &body)
@@ -355,7 +355,7 @@ pub(crate) fn accept<S: Socket>(
     peer: &str,
     transport: &str,
     gate: Gate<'_>,
-    descriptor: impl FnOnce() -> SegmentDescriptor,
+    descriptor: impl FnOnce() -> Option<SegmentDescriptor>,
     authenticated: impl FnOnce(),
 ) -> Option<Admitted> {
     let deadline = Instant::now() + gate.handshake_timeout;

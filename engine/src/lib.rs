@@ -7,6 +7,7 @@ pub mod auth;
 mod batch;
 pub mod cuda;
 mod engine;
+mod engine_config;
 mod error;
 pub mod frame;
 mod frame_error;

@@ -132,20 +132,6 @@ impl OpList {
     }
 }
 
-/// Word `i` of block `b` of a pool filled from `seed` (the bench's device pattern; the same mix
-/// as `kvf_word` in copy.cu).
-pub fn pattern_word(seed: u64, b: u64, i: u64) -> u64 {
-    let mut x = seed
-        .wrapping_add(b.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-        .wrapping_add(i.wrapping_mul(0xD1B5_4A32_D192_ED03));
-    x ^= x >> 30;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^= x >> 31;
-    x
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,14 +280,5 @@ mod tests {
         // The last copy that still fits is split and listed.
         list.push(u64::MAX - 64, 0x1000 - 64, 64).unwrap();
         assert_eq!(list.ops().map(|o| o.len).sum::<u64>(), 64);
-    }
-
-    #[test]
-    fn pattern_words_differ_by_seed_block_and_word() {
-        let a = pattern_word(1, 2, 3);
-        assert_ne!(a, pattern_word(2, 2, 3));
-        assert_ne!(a, pattern_word(1, 3, 3));
-        assert_ne!(a, pattern_word(1, 2, 4));
-        assert_eq!(a, pattern_word(1, 2, 3));
     }
 }

@@ -23,6 +23,7 @@ pub mod select;
 pub(crate) mod shm;
 pub(crate) mod shm_server;
 pub(crate) mod staging;
+pub(crate) mod target;
 pub(crate) mod tcp;
 pub(crate) mod tcp_server;
 

@@ -15,8 +15,8 @@ use super::TransportKind;
 use super::io::{discard, hang_up, read_exact_vectored, read_to_len, write_all_vectored};
 use super::listener::Admission;
 use super::staging::{Span, Staging, device_of};
-use crate::engine::Inner;
-use crate::engine::ServedChunk;
+use super::target::ServedChunk;
+use super::target::Target;
 use crate::error::{Error, Result, Side};
 use crate::frame::{
     FLAG_CRC, FrameError, FrameKind, Header, TraceContext, decode_crcs, decode_manifest,
@@ -34,7 +34,7 @@ const DISCARD_LIMIT: u64 = 1 << 32;
 const MANIFEST_KEPT: usize = 128 << 10;
 
 pub(crate) fn serve_conn(
-    inner: Arc<Inner>,
+    target: Arc<Target>,
     mut stream: TcpStream,
     peer: String,
     admission: Admission<TcpStream>,
@@ -43,8 +43,8 @@ pub(crate) fn serve_conn(
         &mut stream,
         &peer,
         "tcp",
-        inner.gate(),
-        || inner.descriptor(),
+        target.gate(),
+        || target.descriptor(),
         || admission.authenticated(),
     )
     .is_none()
@@ -52,7 +52,7 @@ pub(crate) fn serve_conn(
         return;
     }
     let mut conn = ServerConn {
-        inner,
+        target,
         peer,
         manifest: Vec::new(),
         scratch: Vec::new(),
@@ -82,7 +82,7 @@ pub(crate) fn serve_conn(
 }
 
 struct ServerConn {
-    inner: Arc<Inner>,
+    target: Arc<Target>,
     peer: String,
     manifest: Vec<u8>,
     scratch: Vec<u8>,
@@ -133,7 +133,7 @@ impl ServerConn {
                 .into());
             }
         };
-        if let Some(observer) = &self.inner.config.observer {
+        if let Some(observer) = &self.target.observer {
             observer.served(&ServedChunk {
                 peer: &self.peer,
                 opcode,
@@ -179,7 +179,7 @@ impl ServerConn {
                 }
                 _ => {
                     let lease = self
-                        .inner
+                        .target
                         .regions
                         .lease_checked(e.region, e.key, Side::Remote)?;
                     let r = lease.region().clone();
@@ -190,7 +190,7 @@ impl ServerConn {
             // A device pointer is no host address: a socket never reads or writes through it;
             // its bytes go through the staging ring, or nowhere when staging is off.
             if let Some(d) = device_of(region.location()) {
-                if self.inner.config.staging_bytes == 0 {
+                if self.target.config.staging_bytes == 0 {
                     return Err(Error::StagingNotConfigured {
                         op: i,
                         region: region.id(),
@@ -220,7 +220,7 @@ impl ServerConn {
     /// The staging ring, made on first use (`NoCudaDriver` and friends when it cannot be).
     fn ring(&mut self, device: u32) -> Result<&mut Staging> {
         if self.staging.is_none() {
-            self.staging = Some(Staging::new(self.inner.config.staging_bytes, device)?);
+            self.staging = Some(Staging::new(self.target.config.staging_bytes, device)?);
         }
         Ok(self.staging.as_mut().expect("just made"))
     }
