@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use kvfabric_engine::{
-    AccessKey, Batch, BlockOp, CudaExport, Engine, IpcHandle, Location, Opcode, Peer, Preference,
-    Region, SegmentDescriptor, TransportKind,
+    AccessKey, Batch, BlockOp, CudaExport, DataSecret, Engine, IpcHandle, Location, Opcode, Peer,
+    Preference, Region, SegmentDescriptor, TransportKind,
 };
 use serde::Serialize;
 use tracing::{Instrument, field, info, info_span, warn};
@@ -646,7 +646,7 @@ impl Node {
             kvfabric.transport.reason = field::Empty,
             kvfabric.fallback = field::Empty,
         );
-        let descriptor = self
+        let (descriptor, secret) = self
             .peer_descriptor(&agent)
             .instrument(select.clone())
             .await?;
@@ -664,7 +664,7 @@ impl Node {
             };
             match self
                 .engine
-                .connect_with(&descriptor, Preference::Only(kind), None, rdma)
+                .connect_with(&descriptor, &secret, Preference::Only(kind), None, rdma)
                 .instrument(select.clone())
                 .await
             {
@@ -711,10 +711,11 @@ impl Node {
             .join(",")
     }
 
-    /// The data-plane descriptor of an agent: ours directly, others' through their peer API.
-    async fn peer_descriptor(&self, agent: &AgentEntry) -> Result<SegmentDescriptor> {
+    /// The data-plane descriptor of an agent and its engine's data secret: ours directly,
+    /// others' through their peer API.
+    async fn peer_descriptor(&self, agent: &AgentEntry) -> Result<(SegmentDescriptor, DataSecret)> {
         if agent.name == self.config.name {
-            return Ok(self.descriptor());
+            return Ok((self.descriptor(), self.engine.data_secret().clone()));
         }
         self.caller().handshake(agent).await
     }
@@ -742,7 +743,7 @@ impl Node {
                 segment: segment.name.clone(),
             })?;
         link.peer
-            .set_descriptor(self.peer_descriptor(&agent).await?);
+            .set_descriptor(self.peer_descriptor(&agent).await?.0);
         if let Some(r) = unserved(link, segment) {
             return Err(Error::PeerAgent {
                 agent: link.agent.clone(),

@@ -45,6 +45,7 @@ impl PeerAgent for PeerApi {
         Ok(Response::new(HandshakeResponse {
             agent: self.node.config.name.clone(),
             descriptor: self.node.descriptor().to_json(),
+            data_secret: self.node.engine.data_secret().as_bytes().to_vec(),
         }))
     }
 

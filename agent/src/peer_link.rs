@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kvfabric_engine::{ConnectInfo, RdmaExchange, SegmentDescriptor, TransportKind};
+use kvfabric_engine::{ConnectInfo, DataSecret, RdmaExchange, SegmentDescriptor, TransportKind};
 use tonic::Request;
 use tonic::transport::{Channel, Endpoint};
 
@@ -52,8 +52,8 @@ impl Caller {
         request
     }
 
-    /// The data-plane descriptor of `agent`, region keys included.
-    pub async fn handshake(&self, agent: &AgentEntry) -> Result<SegmentDescriptor> {
+    /// The data-plane descriptor of `agent`, region keys included, and its engine's data secret.
+    pub async fn handshake(&self, agent: &AgentEntry) -> Result<(SegmentDescriptor, DataSecret)> {
         let fail = |reason: String| failure(agent, reason);
         let reply = dial(agent, self.timeout)
             .await?
@@ -70,7 +70,10 @@ impl Caller {
                 reply.agent
             )));
         }
-        SegmentDescriptor::from_json(&reply.descriptor).map_err(|e| fail(e.to_string()))
+        let secret = DataSecret::from_bytes(&reply.data_secret).map_err(|e| fail(e.to_string()))?;
+        let descriptor =
+            SegmentDescriptor::from_json(&reply.descriptor).map_err(|e| fail(e.to_string()))?;
+        Ok((descriptor, secret))
     }
 
     /// Sends an rdma connection offer to `agent` and returns its answer.

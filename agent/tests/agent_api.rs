@@ -550,6 +550,8 @@ async fn the_peer_api_admits_only_callers_with_the_fabric_token() {
     }
     let reply = raw.handshake(call("test", Some(TOKEN))).await.unwrap();
     assert_eq!(reply.get_ref().agent, "node-a");
+    // Its engine's data secret, which data connections to it must prove.
+    assert_eq!(reply.get_ref().data_secret.len(), 32);
     c.stop().await;
     b.stop().await;
     a.stop().await;

@@ -5,7 +5,8 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
 use kvfabric_engine::{
-    ConnectInfo, Location, RdmaExchange, RegionDesc, RegionId, SegmentDescriptor, TransportKind,
+    ConnectInfo, DataSecret, Location, RdmaExchange, RegionDesc, RegionId, SegmentDescriptor,
+    TransportKind,
 };
 use serde::{Deserialize, Serialize};
 
@@ -69,6 +70,9 @@ pub enum Reply {
     Prepared {
         descriptor: SegmentDescriptor,
         region: RegionDesc,
+        /// The target engine's data secret, for its data connections. The bench's control
+        /// channel is a test tool's: whoever reaches it can prepare and read pools anyway.
+        secret: DataSecret,
     },
     Verified {
         verdict: Verdict,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvfabric_engine::{
-    Batch, BlockOp, CudaPath, Engine, Location, Opcode, Peer, Preference, RegionDesc,
+    Batch, BlockOp, CudaPath, DataSecret, Engine, Location, Opcode, Peer, Preference, RegionDesc,
     SegmentDescriptor, TransportKind,
 };
 use rand::rngs::SmallRng;
@@ -135,14 +135,22 @@ impl Initiator {
         })
     }
 
-    fn prepare(&mut self, plan: &RowPlan, seed: u64) -> Result<(SegmentDescriptor, RegionDesc)> {
+    fn prepare(
+        &mut self,
+        plan: &RowPlan,
+        seed: u64,
+    ) -> Result<(SegmentDescriptor, RegionDesc, DataSecret)> {
         match self.control.call(&Request::Prepare {
             bytes: plan.pool_bytes,
             block_size: plan.block_size,
             seed,
             location: plan.peer_location,
         })? {
-            Reply::Prepared { descriptor, region } => Ok((descriptor, region)),
+            Reply::Prepared {
+                descriptor,
+                region,
+                secret,
+            } => Ok((descriptor, region, secret)),
             other => Err(Error::Control {
                 peer: self.control_addr.to_string(),
                 reason: format!("expected prepared, got {other:?}"),
@@ -154,7 +162,7 @@ impl Initiator {
         plan.validate()?;
         let mut seeds = SmallRng::from_os_rng();
         let (local_seed, remote_seed): (u64, u64) = (seeds.random(), seeds.random());
-        let (descriptor, remote) = self.prepare(plan, remote_seed)?;
+        let (descriptor, remote, secret) = self.prepare(plan, remote_seed)?;
         let local = pattern::alloc_pool(
             &self.engine,
             plan.location,
@@ -180,7 +188,7 @@ impl Initiator {
             });
         let peer = Arc::new(
             self.engine
-                .connect_with(&descriptor, preference, plan.key, exchange)
+                .connect_with(&descriptor, &secret, preference, plan.key, exchange)
                 .await?,
         );
         let selection = peer.selection().clone();

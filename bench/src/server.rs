@@ -182,6 +182,7 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
             Reply::Prepared {
                 descriptor: engine.descriptor(),
                 region: RegionDesc::of(&region),
+                secret: engine.data_secret().clone(),
             }
         }
         Request::Verify {

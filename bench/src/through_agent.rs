@@ -108,6 +108,7 @@ pub async fn run(
         initiator
             .connect(
                 &target.descriptor(),
+                target.data_secret(),
                 Preference::Only(TransportKind::Tcp),
                 None,
             )

@@ -221,7 +221,20 @@ impl Canceller {
     }
 }
 
+/// `start + timeout`, or a century on when a caller's timeout is too large to add.
+pub(crate) fn deadline_after(start: Instant, timeout: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
+    start
+        .checked_add(timeout)
+        .unwrap_or_else(|| start + CENTURY)
+}
+
 impl BatchHandle {
+    /// When the batch times out.
+    pub(crate) fn deadline(&self) -> Instant {
+        deadline_after(self.started, self.timeout)
+    }
+
     pub fn id(&self) -> u64 {
         self.job.id
     }
@@ -260,12 +273,12 @@ impl BatchHandle {
     pub fn wait_blocking(self) -> Result<BatchResult> {
         if !self.spin.is_zero() {
             // A sleeping thread takes microseconds to wake; a short poll catches small batches.
-            let until = Instant::now() + self.spin;
+            let until = deadline_after(Instant::now(), self.spin);
             while !self.job.finished.load(Ordering::Acquire) && Instant::now() < until {
                 std::hint::spin_loop();
             }
         }
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(Instant::now(), self.timeout);
         self.job.sleepers.fetch_add(1, Ordering::AcqRel);
         let mut done = self.job.done.lock().unwrap_or_else(|e| e.into_inner());
         let mut timed_out = false;
@@ -292,7 +305,7 @@ impl BatchHandle {
             // A no-op when the batch completed at the last moment: its own result stands.
             self.job.fail(Error::Timeout {
                 batch: self.job.id,
-                millis: self.timeout.as_millis() as u64,
+                millis: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
             });
         }
         let bytes = self.job.take_result().unwrap_or(Err(Error::ShuttingDown))?;

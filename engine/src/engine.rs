@@ -4,22 +4,26 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Instant;
 
 use tracing::{debug, info};
 
+use crate::auth::DataSecret;
 use crate::batch::{Batch, BatchHandle, BatchResult, Job};
-use crate::cuda::CudaPath;
+pub use crate::engine_config::EngineConfig;
 use crate::error::{Error, Result, Side};
-use crate::frame::{Entry, Hello, PROTOCOL_VERSION};
+use crate::frame::Entry;
+use crate::handshake::Credentials;
 use crate::op::{self, RegionIndex};
-use crate::rdma::{ConnectInfo, RdmaConfig, RdmaExchange, RdmaNicInfo};
+use crate::rdma::{ConnectInfo, RdmaExchange, RdmaNicInfo};
 use crate::region::{AccessKey, Lease, Location, Region, RegionId};
 use crate::region_table::RegionTable;
-use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor, local_node_id};
+use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor};
 use crate::transport::select::{Local, NO_EXCHANGE, Preference, Selection, select_for};
 use crate::transport::shm::ShmLink;
+use crate::transport::target::Target;
+pub use crate::transport::target::{ServeObserver, ServedChunk};
 use crate::transport::tcp::{TcpLink, TcpOptions};
 use crate::transport::{
     Piece, Transport, TransportKind, TransportStats, listener, shm_server, tcp_server,
@@ -29,146 +33,12 @@ use crate::transport::{
 #[cfg(not(feature = "rdma"))]
 const NOT_BUILT: &str = "rdma is not built into this engine (cargo feature `rdma` is off)";
 
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// This engine's segment name, as peers and the registry know it.
-    pub name: String,
-    /// When set, peers must present it in the handshake.
-    pub segment_key: Option<u64>,
-    /// Machine identity for locality (default: the kernel boot id).
-    pub node: String,
-    /// Data connections opened per tcp peer.
-    pub tcp_connections: usize,
-    /// A batch is cut into chunks of about this many bytes, spread over the connections.
-    pub chunk_bytes: u64,
-    /// Default time a batch may take before it fails with `Timeout`.
-    pub batch_timeout: Duration,
-    /// Threads copying for the shm transport.
-    pub shm_threads: usize,
-    /// Batches at least this large are copied by every shm thread at once.
-    pub shm_parallel_min: u64,
-    /// Most ops one batch may carry.
-    pub max_batch_ops: usize,
-    /// How cuda-ipc moves a batch: one kernel over an op list (`Sm`), the copy engines (`Ce`),
-    /// or per batch by its mean copy size (`Auto`, the default).
-    pub cuda_path: CudaPath,
-    /// cuda-ipc completion threads poll their events instead of sleeping in cuEventSynchronize:
-    /// a few µs less latency per batch for one busy core per GPU in use. Off by default.
-    pub cuda_spin: bool,
-    /// `BatchHandle::wait_blocking` polls for completion this long before it sleeps (0: never
-    /// polls). With `cuda_spin`, the lowest latency for single small batches.
-    pub spin_wait: Duration,
-    /// cuda-ipc pushes run on the peer's GPU (which then pulls from ours) when this process can
-    /// use that GPU, so each GPU pulls and both link directions carry data at once.
-    pub cuda_push_by_peer: bool,
-    /// GPU memory over tcp goes through pinned host buffers: this many bytes per tcp connection
-    /// and direction (a ring of units of up to 1 MiB; the copy of one unit overlaps the socket
-    /// I/O of another), allocated at the first GPU batch and reused. Over shm, GPU memory is
-    /// copied straight to and from the peer's mapping (page-locked once), and this only needs to
-    /// be non-zero. 0 turns GPU memory over tcp and shm off: such ops fail with
-    /// `StagingNotConfigured`. Default: 2 × the default `chunk_bytes` (8 MiB).
-    pub staging_bytes: u64,
-    /// Told about every chunk this engine served for a peer (tcp target side), with the trace
-    /// context the initiator sent: how an embedding agent traces the work it does for others.
-    pub observer: Option<Arc<dyn ServeObserver>>,
-    /// RDMA devices, QPs, work-request plans and retries (used in a build with the cargo
-    /// feature `rdma`, on a machine with a usable device).
-    pub rdma: RdmaConfig,
-}
-
-/// A chunk this engine served as the target.
-#[derive(Debug, Clone)]
-pub struct ServedChunk<'a> {
-    pub peer: &'a str,
-    pub opcode: crate::op::Opcode,
-    pub ops: u32,
-    pub bytes: u64,
-    pub started: std::time::SystemTime,
-    pub elapsed: Duration,
-    pub trace: Option<crate::frame::TraceContext>,
-    /// Why the chunk was refused or failed.
-    pub error: Option<String>,
-}
-
-pub trait ServeObserver: Send + Sync + std::fmt::Debug {
-    fn served(&self, chunk: &ServedChunk<'_>);
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        EngineConfig {
-            name: "kvfabric".into(),
-            segment_key: None,
-            node: local_node_id(),
-            tcp_connections: 4,
-            chunk_bytes: 4 << 20,
-            batch_timeout: Duration::from_secs(30),
-            shm_threads: cores.clamp(1, 8),
-            shm_parallel_min: 4 << 20,
-            max_batch_ops: 1 << 20,
-            cuda_path: CudaPath::Auto,
-            cuda_spin: false,
-            spin_wait: Duration::ZERO,
-            cuda_push_by_peer: true,
-            observer: None,
-            staging_bytes: 2 * (4 << 20),
-            rdma: RdmaConfig::default(),
-        }
-    }
-}
-
-impl EngineConfig {
-    fn validate(&self) -> Result<()> {
-        let bad = |field, value: String, reason| {
-            Err(Error::InvalidConfig {
-                field,
-                value,
-                reason,
-            })
-        };
-        if self.name.is_empty() {
-            return bad("name", String::new(), "must not be empty");
-        }
-        if !(1..=64).contains(&self.tcp_connections) {
-            return bad(
-                "tcp_connections",
-                self.tcp_connections.to_string(),
-                "must be 1..=64",
-            );
-        }
-        if self.chunk_bytes < 4096 {
-            return bad(
-                "chunk_bytes",
-                self.chunk_bytes.to_string(),
-                "must be >= 4096",
-            );
-        }
-        if !(1..=256).contains(&self.shm_threads) {
-            return bad(
-                "shm_threads",
-                self.shm_threads.to_string(),
-                "must be 1..=256",
-            );
-        }
-        if self.batch_timeout.is_zero() {
-            return bad("batch_timeout", "0".into(), "must be positive");
-        }
-        if self.staging_bytes != 0 && self.staging_bytes < crate::transport::staging::STAGING_MIN {
-            return bad(
-                "staging_bytes",
-                self.staging_bytes.to_string(),
-                "must be 0 (off) or >= 8192",
-            );
-        }
-        self.rdma.validate()
-    }
-}
-
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) config: EngineConfig,
-    pub(crate) regions: RegionTable,
+    pub(crate) regions: Arc<RegionTable>,
+    /// What the tcp and shm servers serve (the regions again, the secret, the settings).
+    pub(crate) target: Arc<Target>,
     endpoints: RwLock<Endpoints>,
     next_batch: AtomicU64,
     shm_pool: Arc<rayon::ThreadPool>,
@@ -237,21 +107,12 @@ impl Inner {
                 .clone(),
         }
     }
-
-    fn hello(&self, remote: &SegmentDescriptor, key: Option<u64>) -> Hello {
-        Hello {
-            protocol: PROTOCOL_VERSION,
-            segment: remote.name.clone(),
-            key,
-            from: self.config.name.clone(),
-        }
-    }
 }
 
 /// A transfer engine. Cheap to clone; clones share everything.
 #[derive(Debug, Clone)]
 pub struct Engine {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl Engine {
@@ -262,21 +123,43 @@ impl Engine {
             .thread_name(|i| format!("kvf-shm-{i}"))
             .build()
             .map_err(|e| Error::io("start shm copy pool", std::io::Error::other(e)))?;
-        Ok(Engine {
-            inner: Arc::new(Inner {
+        let secret = config
+            .data_secret
+            .clone()
+            .unwrap_or_else(DataSecret::random);
+        let regions = Arc::new(RegionTable::default());
+        // The servers ask for the descriptor through a weak handle: they hold the target, and
+        // the engine holds them no longer than its own life.
+        let inner = Arc::new_cyclic(|me: &Weak<Inner>| {
+            let me = me.clone();
+            let describe = Box::new(move || me.upgrade().map(|inner| inner.descriptor()));
+            Inner {
+                target: Arc::new(Target::new(
+                    regions.clone(),
+                    config.clone(),
+                    secret,
+                    describe,
+                )),
                 config,
-                regions: RegionTable::default(),
+                regions,
                 endpoints: RwLock::default(),
                 next_batch: AtomicU64::new(1),
                 shm_pool: Arc::new(pool),
                 #[cfg(feature = "rdma")]
                 rdma: std::sync::OnceLock::new(),
-            }),
-        })
+            }
+        });
+        Ok(Engine { inner })
     }
 
     pub fn config(&self) -> &EngineConfig {
         &self.inner.config
+    }
+
+    /// The secret this engine's tcp and shm peers must prove they hold: the configured one, or
+    /// the one generated at start. Hand it out only over an authenticated channel.
+    pub fn data_secret(&self) -> &DataSecret {
+        &self.inner.target.secret
     }
 
     /// Allocates a host region in a memfd (page-aligned, zeroed, shareable with same-node peers).
@@ -420,10 +303,15 @@ impl Engine {
             .map_err(|e| Error::io("tcp listener address", e))?;
         self.set_endpoint(|e| e.tcp = Some(addr));
         info!(%addr, segment = %self.inner.config.name, "serving tcp data plane");
-        let inner = self.inner.clone();
-        listener::serve(listener, shutdown, "kvf-tcp-serve", move |s, peer| {
-            tcp_server::serve_conn(inner.clone(), s, peer)
-        })
+        let target = self.inner.target.clone();
+        let limits = target.limits();
+        listener::serve(
+            listener,
+            shutdown,
+            "kvf-tcp-serve",
+            limits,
+            move |s, peer, a| tcp_server::serve_conn(target.clone(), s, peer, a),
+        )
         .await;
         self.set_endpoint(|e| e.tcp = None);
         Ok(())
@@ -446,10 +334,15 @@ impl Engine {
             })?;
         self.set_endpoint(|e| e.shm = Some(path.clone()));
         info!(path = %path.display(), "serving shm data plane");
-        let inner = self.inner.clone();
-        listener::serve(listener, shutdown, "kvf-shm-serve", move |s, peer| {
-            shm_server::serve_conn(inner.clone(), s, peer)
-        })
+        let target = self.inner.target.clone();
+        let limits = target.limits();
+        listener::serve(
+            listener,
+            shutdown,
+            "kvf-shm-serve",
+            limits,
+            move |s, peer, a| shm_server::serve_conn(target.clone(), s, peer, a),
+        )
         .await;
         self.set_endpoint(|e| e.shm = None);
         let _ = std::fs::remove_file(&path);
@@ -470,10 +363,11 @@ impl Engine {
     pub async fn connect(
         &self,
         remote: &SegmentDescriptor,
+        secret: &DataSecret,
         preference: Preference,
         segment_key: Option<u64>,
     ) -> Result<Peer> {
-        self.connect_with(remote, preference, segment_key, None)
+        self.connect_with(remote, secret, preference, segment_key, None)
             .await
     }
 
@@ -482,9 +376,15 @@ impl Engine {
     /// channel), at connect time and whenever a failed QP is rebuilt. Rdma is possible when this
     /// engine has a usable RDMA device and the peer publishes rkeys for its regions; otherwise
     /// the selection (or the error, for `Preference::Only(Rdma)`) says why.
+    ///
+    /// `secret` is the peer engine's data secret (its [`Engine::data_secret`], as its owner
+    /// handed it out): tcp and shm connections prove it, and check the peer proves it too. The
+    /// peer's region keys come from `remote`, unless `segment_key` opens the peer's own
+    /// descriptor (then the peer's answer replaces `remote`).
     pub async fn connect_with(
         &self,
         remote: &SegmentDescriptor,
+        secret: &DataSecret,
         preference: Preference,
         segment_key: Option<u64>,
         rdma: Option<Arc<dyn RdmaExchange>>,
@@ -505,10 +405,16 @@ impl Engine {
         );
         let inner = self.inner.clone();
         let remote = remote.clone();
+        let secret = secret.clone();
         let kind = selection.kind;
         let (link, descriptor) = tokio::task::spawn_blocking(move || {
-            let hello = inner.hello(&remote, segment_key);
-            let pair: (Box<dyn Transport>, SegmentDescriptor) = match kind {
+            let creds = Credentials {
+                secret: &secret,
+                segment: &remote.name,
+                key: segment_key,
+                from: &inner.config.name,
+            };
+            let pair: (Box<dyn Transport>, Option<SegmentDescriptor>) = match kind {
                 TransportKind::Tcp => {
                     let addr = remote
                         .endpoints
@@ -518,15 +424,17 @@ impl Engine {
                         connections: inner.config.tcp_connections,
                         chunk_bytes: inner.config.chunk_bytes,
                         staging_bytes: inner.config.staging_bytes,
+                        handshake_timeout: inner.config.handshake_timeout,
                     };
-                    let (link, d) = TcpLink::connect(addr, &hello, opts)?;
+                    let (link, d) = TcpLink::connect(addr, creds, opts)?;
                     (Box::new(link), d)
                 }
                 TransportKind::Shm => {
                     let path = remote.endpoints.shm.clone().expect("selection checked shm");
                     let (link, d) = ShmLink::connect(
                         &path,
-                        &hello,
+                        creds,
+                        inner.config.handshake_timeout,
                         inner.shm_pool.clone(),
                         inner.config.shm_parallel_min,
                     )?;
@@ -540,7 +448,7 @@ impl Engine {
                         inner.config.cuda_spin,
                         inner.config.cuda_push_by_peer,
                     )?;
-                    (Box::new(link), remote.clone())
+                    (Box::new(link), None)
                 }
                 #[cfg(feature = "rdma")]
                 TransportKind::Rdma => {
@@ -550,7 +458,7 @@ impl Engine {
                         .clone();
                     let exchange = rdma.expect("selection checked the exchange");
                     let link = crate::transport::rdma::RdmaLink::connect(rt, &remote, exchange)?;
-                    (Box::new(link), remote.clone())
+                    (Box::new(link), None)
                 }
                 // Reached in builds without `cuda` or `rdma`; selection refuses those first.
                 #[allow(unreachable_patterns)]
@@ -562,7 +470,8 @@ impl Engine {
                     });
                 }
             };
-            Ok(pair)
+            let (link, told) = pair;
+            Ok((link, told.unwrap_or(remote)))
         })
         .await
         .map_err(|e| Error::io("connect task", std::io::Error::other(e)))??;
@@ -578,13 +487,13 @@ impl Engine {
 /// What this side knows of the peer's regions, indexed by id: a peer agent may serve thousands,
 /// and every batch looks its own up.
 #[derive(Debug)]
-struct Known {
+pub(crate) struct Known {
     descriptor: SegmentDescriptor,
     index: HashMap<RegionId, usize>,
 }
 
 impl Known {
-    fn new(descriptor: SegmentDescriptor) -> Known {
+    pub(crate) fn new(descriptor: SegmentDescriptor) -> Known {
         let index = descriptor
             .regions
             .iter()
@@ -602,10 +511,10 @@ impl Known {
 /// A connected remote segment. Submit batches against it; each carries its transport.
 #[derive(Debug)]
 pub struct Peer {
-    inner: Arc<Inner>,
-    known: RwLock<Known>,
-    selection: Selection,
-    link: Box<dyn Transport>,
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) known: RwLock<Known>,
+    pub(crate) selection: Selection,
+    pub(crate) link: Box<dyn Transport>,
 }
 
 impl Peer {
@@ -730,12 +639,12 @@ impl Peer {
     pub fn run(&self, batch: Batch) -> Result<BatchResult> {
         let (pieces, handle) = self.plan(batch)?;
         self.link
-            .run_here(pieces, handle.job.clone(), handle.started + handle.timeout);
+            .run_here(pieces, handle.job.clone(), handle.deadline());
         handle.wait_blocking()
     }
 
     /// Checks every op, coalesces, and prepares the job; nothing is sent yet.
-    fn plan(&self, batch: Batch) -> Result<(Vec<Piece>, BatchHandle)> {
+    pub(crate) fn plan(&self, batch: Batch) -> Result<(Vec<Piece>, BatchHandle)> {
         let started = Instant::now();
         let limit = self.inner.config.max_batch_ops;
         if batch.ops.len() > limit {
@@ -745,7 +654,9 @@ impl Peer {
                 limit: limit as u64,
             });
         }
-        op::validate(&batch.ops, batch.opcode)?;
+        // Bounds before overlaps: the overlap check sizes bitmaps from offsets, which mean
+        // nothing until they are known to lie inside their regions.
+        op::check_shape(&batch.ops)?;
         let known = self.known.read().unwrap_or_else(|e| e.into_inner());
         let mut locals: Vec<Arc<Region>> = Vec::new();
         let mut remotes: Vec<&RegionDesc> = Vec::new();
@@ -753,6 +664,8 @@ impl Peer {
         // per layer, and a batch of 10^5 ops must not search them three times per op.
         let mut resolved: Vec<(u32, u32)> = Vec::with_capacity(batch.ops.len());
         let (mut local_at, mut remote_at) = (RegionIndex::default(), RegionIndex::default());
+        // What the transports add up (job bytes, chunk sizes) is bounded by this sum.
+        let mut total = 0u64;
         for (i, o) in batch.ops.iter().enumerate() {
             let (l, new) = local_at.number(o.local_region);
             if new {
@@ -780,8 +693,15 @@ impl Peer {
                     region_len: remote.len,
                 });
             }
+            total = total.checked_add(o.len).ok_or(Error::BatchTooLarge {
+                field: "bytes",
+                value: u64::MAX,
+                limit: u64::MAX,
+            })?;
+            // Exact: at most `max_batch_ops` (< 2^32) regions are numbered.
             resolved.push((l as u32, r as u32));
         }
+        op::check_destinations(&batch.ops, batch.opcode)?;
         self.check_locations(&resolved, &locals, &remotes)?;
         let mut pieces = Vec::with_capacity(batch.ops.len());
         for c in op::coalesce(&batch.ops) {

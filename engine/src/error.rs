@@ -2,8 +2,11 @@ use std::io;
 
 use serde::{Deserialize, Serialize};
 
-use crate::region::{Location, RegionId};
-use crate::transport::TransportKind;
+use crate::frame_error::FrameError;
+use crate::location::Location;
+pub(crate) use crate::parse_error::{ParseError, truncated};
+use crate::region_id::RegionId;
+use crate::transport_kind::TransportKind;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -32,6 +35,14 @@ pub enum Error {
     #[error("op {op}: len is 0")]
     ZeroLength { op: usize },
 
+    #[error("op {op}: {field} {offset} + len {len} passes 2^64")]
+    RangeOverflow {
+        op: usize,
+        field: &'static str,
+        offset: u64,
+        len: u64,
+    },
+
     #[error("ops {first} and {second} overlap in destination region {region} at offset {offset}")]
     OverlappingDestination {
         first: usize,
@@ -53,6 +64,10 @@ pub enum Error {
     #[error("protocol version mismatch: ours {ours}, peer {theirs}")]
     ProtocolVersion { ours: u32, theirs: u32 },
 
+    /// A data connection's handshake proof did not check out, on either side.
+    #[error("{peer} failed authentication: {reason}")]
+    AuthFailed { peer: String, reason: &'static str },
+
     #[error("wrong segment key for segment {segment:?}")]
     WrongSegmentKey { segment: String },
 
@@ -60,7 +75,7 @@ pub enum Error {
     UnknownSegment { segment: String },
 
     #[error("malformed frame: {0}")]
-    Frame(#[from] crate::frame::FrameError),
+    Frame(#[from] FrameError),
 
     #[error("checksum mismatch on op {op}: expected {expected:#010x}, computed {computed:#010x}")]
     Checksum {
@@ -185,6 +200,148 @@ pub enum Error {
     RdmaFallback { peer: String, reason: String },
 }
 
+impl From<ParseError> for Error {
+    fn from(e: ParseError) -> Error {
+        Error::InvalidConfig {
+            field: e.field,
+            value: e.value,
+            reason: e.expected,
+        }
+    }
+}
+
+/// The kind of an [`Error`], one per variant, for callers that act on kinds (a gRPC status, a
+/// retry policy, a metrics label). Exhaustive on purpose: a new kind is a compile error in every
+/// `match` that has not decided what to do with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    UnknownRegion,
+    WrongKey,
+    OutOfBounds,
+    ZeroLength,
+    RangeOverflow,
+    OverlappingDestination,
+    EmptyBatch,
+    BatchTooLarge,
+    ProtocolVersion,
+    AuthFailed,
+    WrongSegmentKey,
+    UnknownSegment,
+    Frame,
+    Checksum,
+    PeerClosed,
+    Timeout,
+    Cancelled,
+    TransportUnavailable,
+    NotShareable,
+    InvalidConfig,
+    Remote,
+    Io,
+    ShuttingDown,
+    NoCudaDriver,
+    NoSuchDevice,
+    Cuda,
+    StagingNotConfigured,
+    MixedDevices,
+    InvalidIpcHandle,
+    UnregisteredPointer,
+    NoRdmaDevice,
+    RdmaPort,
+    BadHandshake,
+    CreditOverrun,
+    Verbs,
+    RdmaFallback,
+}
+
+impl ErrorKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [ErrorKind; 36] = [
+        ErrorKind::UnknownRegion,
+        ErrorKind::WrongKey,
+        ErrorKind::OutOfBounds,
+        ErrorKind::ZeroLength,
+        ErrorKind::RangeOverflow,
+        ErrorKind::OverlappingDestination,
+        ErrorKind::EmptyBatch,
+        ErrorKind::BatchTooLarge,
+        ErrorKind::ProtocolVersion,
+        ErrorKind::AuthFailed,
+        ErrorKind::WrongSegmentKey,
+        ErrorKind::UnknownSegment,
+        ErrorKind::Frame,
+        ErrorKind::Checksum,
+        ErrorKind::PeerClosed,
+        ErrorKind::Timeout,
+        ErrorKind::Cancelled,
+        ErrorKind::TransportUnavailable,
+        ErrorKind::NotShareable,
+        ErrorKind::InvalidConfig,
+        ErrorKind::Remote,
+        ErrorKind::Io,
+        ErrorKind::ShuttingDown,
+        ErrorKind::NoCudaDriver,
+        ErrorKind::NoSuchDevice,
+        ErrorKind::Cuda,
+        ErrorKind::StagingNotConfigured,
+        ErrorKind::MixedDevices,
+        ErrorKind::InvalidIpcHandle,
+        ErrorKind::UnregisteredPointer,
+        ErrorKind::NoRdmaDevice,
+        ErrorKind::RdmaPort,
+        ErrorKind::BadHandshake,
+        ErrorKind::CreditOverrun,
+        ErrorKind::Verbs,
+        ErrorKind::RdmaFallback,
+    ];
+
+    /// A short, stable name (the wire code, a metrics label).
+    pub fn code(self) -> &'static str {
+        match self {
+            ErrorKind::UnknownRegion => "unknown_region",
+            ErrorKind::WrongKey => "wrong_key",
+            ErrorKind::OutOfBounds => "out_of_bounds",
+            ErrorKind::ZeroLength => "zero_length",
+            ErrorKind::RangeOverflow => "range_overflow",
+            ErrorKind::OverlappingDestination => "overlapping_destination",
+            ErrorKind::EmptyBatch => "empty_batch",
+            ErrorKind::BatchTooLarge => "batch_too_large",
+            ErrorKind::ProtocolVersion => "protocol_version",
+            ErrorKind::AuthFailed => "unauthenticated",
+            ErrorKind::WrongSegmentKey => "wrong_segment_key",
+            ErrorKind::UnknownSegment => "unknown_segment",
+            ErrorKind::Frame => "malformed_frame",
+            ErrorKind::Checksum => "checksum",
+            ErrorKind::PeerClosed => "peer_closed",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Cancelled => "cancelled",
+            ErrorKind::TransportUnavailable => "transport_unavailable",
+            ErrorKind::NotShareable => "not_shareable",
+            ErrorKind::InvalidConfig => "invalid_config",
+            ErrorKind::Remote => "remote",
+            ErrorKind::Io => "io",
+            ErrorKind::ShuttingDown => "shutting_down",
+            ErrorKind::NoCudaDriver => "no_cuda_driver",
+            ErrorKind::NoSuchDevice => "no_such_device",
+            ErrorKind::Cuda => "cuda",
+            ErrorKind::StagingNotConfigured => "staging_not_configured",
+            ErrorKind::MixedDevices => "mixed_devices",
+            ErrorKind::InvalidIpcHandle => "invalid_ipc_handle",
+            ErrorKind::UnregisteredPointer => "unregistered_pointer",
+            ErrorKind::NoRdmaDevice => "no_rdma_device",
+            ErrorKind::RdmaPort => "rdma_port",
+            ErrorKind::BadHandshake => "bad_handshake",
+            ErrorKind::CreditOverrun => "credit_overrun",
+            ErrorKind::Verbs => "verbs",
+            ErrorKind::RdmaFallback => "rdma_fallback",
+        }
+    }
+
+    /// The kind a wire code names (what a peer's refusal says it was).
+    pub fn from_code(code: &str) -> Option<ErrorKind> {
+        ErrorKind::ALL.into_iter().find(|k| k.code() == code)
+    }
+}
+
 /// Which side of a block op a region belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -209,6 +366,13 @@ pub struct RemoteError {
     pub message: String,
 }
 
+impl RemoteError {
+    /// The kind the peer reported, if its code names one this engine knows.
+    pub fn kind(&self) -> Option<ErrorKind> {
+        ErrorKind::from_code(&self.code)
+    }
+}
+
 impl std::fmt::Display for RemoteError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: {}", self.code, self.message)
@@ -223,44 +387,51 @@ impl Error {
         }
     }
 
+    /// The kind of error: every variant is one.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::UnknownRegion { .. } => ErrorKind::UnknownRegion,
+            Error::WrongKey { .. } => ErrorKind::WrongKey,
+            Error::OutOfBounds { .. } => ErrorKind::OutOfBounds,
+            Error::ZeroLength { .. } => ErrorKind::ZeroLength,
+            Error::RangeOverflow { .. } => ErrorKind::RangeOverflow,
+            Error::OverlappingDestination { .. } => ErrorKind::OverlappingDestination,
+            Error::EmptyBatch => ErrorKind::EmptyBatch,
+            Error::BatchTooLarge { .. } => ErrorKind::BatchTooLarge,
+            Error::ProtocolVersion { .. } => ErrorKind::ProtocolVersion,
+            Error::AuthFailed { .. } => ErrorKind::AuthFailed,
+            Error::WrongSegmentKey { .. } => ErrorKind::WrongSegmentKey,
+            Error::UnknownSegment { .. } => ErrorKind::UnknownSegment,
+            Error::Frame(_) => ErrorKind::Frame,
+            Error::Checksum { .. } => ErrorKind::Checksum,
+            Error::PeerClosed { .. } => ErrorKind::PeerClosed,
+            Error::Timeout { .. } => ErrorKind::Timeout,
+            Error::Cancelled { .. } => ErrorKind::Cancelled,
+            Error::TransportUnavailable { .. } => ErrorKind::TransportUnavailable,
+            Error::NotShareable { .. } => ErrorKind::NotShareable,
+            Error::InvalidConfig { .. } => ErrorKind::InvalidConfig,
+            Error::Remote(_) => ErrorKind::Remote,
+            Error::Io { .. } => ErrorKind::Io,
+            Error::ShuttingDown => ErrorKind::ShuttingDown,
+            Error::NoCudaDriver { .. } => ErrorKind::NoCudaDriver,
+            Error::NoSuchDevice { .. } => ErrorKind::NoSuchDevice,
+            Error::Cuda { .. } => ErrorKind::Cuda,
+            Error::StagingNotConfigured { .. } => ErrorKind::StagingNotConfigured,
+            Error::MixedDevices { .. } => ErrorKind::MixedDevices,
+            Error::InvalidIpcHandle { .. } => ErrorKind::InvalidIpcHandle,
+            Error::UnregisteredPointer { .. } => ErrorKind::UnregisteredPointer,
+            Error::NoRdmaDevice { .. } => ErrorKind::NoRdmaDevice,
+            Error::RdmaPort { .. } => ErrorKind::RdmaPort,
+            Error::BadHandshake { .. } => ErrorKind::BadHandshake,
+            Error::CreditOverrun { .. } => ErrorKind::CreditOverrun,
+            Error::Verbs { .. } => ErrorKind::Verbs,
+            Error::RdmaFallback { .. } => ErrorKind::RdmaFallback,
+        }
+    }
+
     /// A short, stable name for the kind of error (wire code, metrics label).
     pub fn code(&self) -> &'static str {
-        match self {
-            Error::UnknownRegion { .. } => "unknown_region",
-            Error::WrongKey { .. } => "wrong_key",
-            Error::OutOfBounds { .. } => "out_of_bounds",
-            Error::ZeroLength { .. } => "zero_length",
-            Error::OverlappingDestination { .. } => "overlapping_destination",
-            Error::EmptyBatch => "empty_batch",
-            Error::BatchTooLarge { .. } => "batch_too_large",
-            Error::ProtocolVersion { .. } => "protocol_version",
-            Error::WrongSegmentKey { .. } => "wrong_segment_key",
-            Error::UnknownSegment { .. } => "unknown_segment",
-            Error::Frame(_) => "malformed_frame",
-            Error::Checksum { .. } => "checksum",
-            Error::PeerClosed { .. } => "peer_closed",
-            Error::Timeout { .. } => "timeout",
-            Error::Cancelled { .. } => "cancelled",
-            Error::TransportUnavailable { .. } => "transport_unavailable",
-            Error::NotShareable { .. } => "not_shareable",
-            Error::InvalidConfig { .. } => "invalid_config",
-            Error::Remote(_) => "remote",
-            Error::Io { .. } => "io",
-            Error::ShuttingDown => "shutting_down",
-            Error::NoCudaDriver { .. } => "no_cuda_driver",
-            Error::NoSuchDevice { .. } => "no_such_device",
-            Error::Cuda { .. } => "cuda",
-            Error::StagingNotConfigured { .. } => "staging_not_configured",
-            Error::MixedDevices { .. } => "mixed_devices",
-            Error::InvalidIpcHandle { .. } => "invalid_ipc_handle",
-            Error::UnregisteredPointer { .. } => "unregistered_pointer",
-            Error::NoRdmaDevice { .. } => "no_rdma_device",
-            Error::RdmaPort { .. } => "rdma_port",
-            Error::BadHandshake { .. } => "bad_handshake",
-            Error::CreditOverrun { .. } => "credit_overrun",
-            Error::Verbs { .. } => "verbs",
-            Error::RdmaFallback { .. } => "rdma_fallback",
-        }
+        self.kind().code()
     }
 
     pub(crate) fn to_remote(&self) -> RemoteError {
@@ -271,6 +442,12 @@ impl Error {
                 message: other.to_string(),
             },
         }
+    }
+
+    /// An I/O wait that ran out (a socket timeout).
+    pub(crate) fn timed_out(&self) -> bool {
+        matches!(self, Error::Io { source, .. }
+            if matches!(source.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut))
     }
 
     /// A copy for fanning one failure out to several waiters (io::Error is not Clone).
@@ -290,7 +467,88 @@ impl Error {
             Error::NoRdmaDevice { reason } => Error::NoRdmaDevice {
                 reason: reason.clone(),
             },
+            Error::Frame(e) => Error::Frame(e.clone()),
+            Error::Checksum {
+                op,
+                expected,
+                computed,
+            } => Error::Checksum {
+                op: *op,
+                expected: *expected,
+                computed: *computed,
+            },
             other => Error::Remote(other.to_remote()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_has_its_own_code_and_codes_name_their_kinds() {
+        let mut codes: Vec<&str> = ErrorKind::ALL.iter().map(|k| k.code()).collect();
+        for k in ErrorKind::ALL {
+            assert_eq!(ErrorKind::from_code(k.code()), Some(k));
+        }
+        codes.sort_unstable();
+        codes.dedup();
+        assert_eq!(codes.len(), ErrorKind::ALL.len());
+        assert_eq!(ErrorKind::from_code("no_such_code"), None);
+        let e = Error::Checksum {
+            op: 1,
+            expected: 2,
+            computed: 3,
+        };
+        assert_eq!((e.kind(), e.code()), (ErrorKind::Checksum, "checksum"));
+        assert_eq!(e.to_remote().kind(), Some(ErrorKind::Checksum));
+        assert_eq!(
+            Error::from(ParseError {
+                field: "op",
+                value: "x".into(),
+                expected: "expected read or write",
+            })
+            .kind(),
+            ErrorKind::InvalidConfig
+        );
+    }
+
+    /// The leaf nouns and the error type import only leaves: no module above them is reachable
+    /// from below, so there is no import circle through the error type.
+    #[test]
+    fn the_error_type_and_the_leaf_nouns_import_only_leaves() {
+        let leaves = [
+            ("location", include_str!("location.rs")),
+            ("region_id", include_str!("region_id.rs")),
+            ("transport_kind", include_str!("transport_kind.rs")),
+            ("opcode", include_str!("opcode.rs")),
+            ("parse_error", include_str!("parse_error.rs")),
+            ("frame_error", include_str!("frame_error.rs")),
+        ];
+        let names: Vec<&str> = leaves.iter().map(|l| l.0).collect();
+        for (name, src) in leaves
+            .iter()
+            .copied()
+            .chain([("error", include_str!("error.rs"))])
+        {
+            for line in src.lines().map(str::trim_start) {
+                let Some(path) = line
+                    .strip_prefix("use crate::")
+                    .or_else(|| line.strip_prefix("pub use crate::"))
+                    .or_else(|| line.strip_prefix("pub(crate) use crate::"))
+                else {
+                    continue;
+                };
+                let module = path.split([':', ';']).next().unwrap();
+                assert!(names.contains(&module), "{name}.rs imports {line}");
+            }
+            // Paths written out in code, not only in `use` lines.
+            for above in ["handshake", "engine", "transport::", "region::", "frame::"] {
+                let path = format!("crate::{above}");
+                let code = src.split("#[cfg(test)]").next().unwrap();
+                assert!(!code.contains(&path), "{name}.rs names {path}");
+            }
         }
     }
 }

@@ -14,6 +14,11 @@
 //! 24..32  len    (body bytes for control frames; payload bytes for data frames)
 //! ```
 //!
+//! A data connection opens with the handshake (see [`crate::auth`]): the target's `Challenge`,
+//! the initiator's `Hello` with its proof, the target's `Welcome` with its own; only then come
+//! manifests. An idle initiator sends `KeepAlive` frames (a header alone) so the target's idle
+//! timeout closes only connections whose peer is gone.
+//!
 //! A batch chunk travels as one manifest (all its block ops, 32 bytes each) followed by the raw
 //! payload of every op back to back, so the receiver knows every destination before the first
 //! payload byte arrives and reads straight into them with few syscalls. The decoder never
@@ -21,17 +26,16 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::region::{AccessKey, RegionId};
+pub use crate::frame_error::{FrameError, FrameKind, MAGIC, MAX_CONTROL_LEN, MAX_ENTRIES};
+use crate::region_id::{AccessKey, RegionId};
 
 pub const HEADER_LEN: usize = 32;
 pub const ENTRY_LEN: usize = 32;
-pub const MAGIC: [u8; 4] = *b"KVF1";
-/// Wire protocol version, checked in the handshake.
-pub const PROTOCOL_VERSION: u32 = 1;
-/// At most this many block ops in one manifest (a chunk of a batch, not the batch).
-pub const MAX_ENTRIES: u32 = 1 << 16;
-/// Control bodies (handshake JSON, error messages) are small; anything larger is garbage.
-pub const MAX_CONTROL_LEN: u64 = 1 << 20;
+/// Wire protocol version, checked in the handshake. 2: authenticated handshake (Challenge,
+/// proofs, segment keys as MACs, region keys only to the segment's key holders), KeepAlive.
+pub const PROTOCOL_VERSION: u32 = 2;
+/// The most a target reads of a Hello, before the initiator has proved anything.
+pub const MAX_HELLO_LEN: u64 = 16 << 10;
 
 pub const FLAG_CRC: u8 = 1;
 pub const FLAG_ERROR: u8 = 2;
@@ -64,74 +68,6 @@ impl TraceContext {
             flags: b[24],
         }
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum FrameKind {
-    Hello = 1,
-    Welcome = 2,
-    WriteManifest = 3,
-    Ack = 4,
-    ReadManifest = 5,
-    ReadData = 6,
-    MapRegion = 7,
-    MapReply = 8,
-}
-
-impl FrameKind {
-    fn from_u8(v: u8) -> Option<Self> {
-        Some(match v {
-            1 => FrameKind::Hello,
-            2 => FrameKind::Welcome,
-            3 => FrameKind::WriteManifest,
-            4 => FrameKind::Ack,
-            5 => FrameKind::ReadManifest,
-            6 => FrameKind::ReadData,
-            7 => FrameKind::MapRegion,
-            8 => FrameKind::MapReply,
-            _ => return None,
-        })
-    }
-
-    /// Kinds whose `len` counts a JSON body rather than bulk payload.
-    fn is_control(self) -> bool {
-        !matches!(
-            self,
-            FrameKind::WriteManifest | FrameKind::ReadManifest | FrameKind::ReadData
-        )
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum FrameError {
-    #[error("bad magic {found:02x?}, expected {MAGIC:02x?}")]
-    BadMagic { found: [u8; 4] },
-    #[error("unknown frame kind {kind}")]
-    UnknownKind { kind: u8 },
-    #[error("unknown flags {flags:#04x} in {kind:?} frame")]
-    UnknownFlags { kind: FrameKind, flags: u8 },
-    #[error("reserved bytes are not zero in {kind:?} frame")]
-    Reserved { kind: FrameKind },
-    #[error("count {count} exceeds the limit of {MAX_ENTRIES} in {kind:?} frame")]
-    TooManyEntries { kind: FrameKind, count: u32 },
-    #[error("len {len} exceeds the limit of {MAX_CONTROL_LEN} for a {kind:?} frame")]
-    ControlTooLong { kind: FrameKind, len: u64 },
-    #[error("truncated frame: need {need} bytes, have {have}")]
-    Truncated { need: usize, have: usize },
-    #[error("manifest says {claimed} payload bytes but its entries add up to {actual}")]
-    LengthMismatch { claimed: u64, actual: u64 },
-    #[error("manifest entry {entry}: lengths add up to more than 2^64 bytes")]
-    LengthOverflow { entry: usize },
-    #[error("unexpected {kind:?} frame: {expected}")]
-    Unexpected {
-        kind: FrameKind,
-        expected: &'static str,
-    },
-    #[error("reply tag {found} does not match request tag {expected}")]
-    TagMismatch { expected: u64, found: u64 },
-    #[error("invalid {what} body: {reason}")]
-    Body { what: &'static str, reason: String },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -302,23 +238,65 @@ pub fn decode_crcs(count: u32, body: &[u8]) -> Result<Vec<u32>, FrameError> {
         .collect())
 }
 
-/// First frame from the initiator.
+/// The target's first frame: its protocol and a nonce for this connection, nothing else.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Challenge {
+    pub protocol: u32,
+    #[serde(with = "hex::serde")]
+    pub nonce: crate::auth::Nonce,
+}
+
+/// The initiator's answer to the challenge.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
     pub protocol: u32,
-    /// The segment the initiator wants to reach on this endpoint.
+    /// The segment the initiator wants to reach on this endpoint (empty: whichever it serves).
     pub segment: String,
-    /// The segment key, if the target requires one.
-    pub key: Option<u64>,
-    /// The initiator's own segment name, for logs and traces.
+    /// The initiator's own segment name, for logs and traces (covered by the proof).
     pub from: String,
+    #[serde(with = "hex::serde")]
+    pub nonce: crate::auth::Nonce,
+    /// HMAC of the data secret over both nonces and `from` (see [`crate::auth`]).
+    #[serde(with = "hex::serde")]
+    pub proof: crate::auth::Proof,
+    /// The segment key, if one is presented, as a MAC (never in the clear).
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "opt_hex")]
+    pub key_proof: Option<crate::auth::Proof>,
 }
 
-/// The target's answer: its current descriptor.
+/// The target's answer to an authenticated Hello.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Welcome {
     pub protocol: u32,
-    pub descriptor: crate::segment::SegmentDescriptor,
+    /// The target's proof that it holds the data secret too.
+    #[serde(with = "hex::serde")]
+    pub proof: crate::auth::Proof,
+    /// The target closes a connection silent for this long; the initiator keeps it alive.
+    pub idle_timeout_ms: u64,
+    /// The target's descriptor, region keys included: only for a caller that named the
+    /// target's segment and presented its segment key. Others already have what they were
+    /// given by the channel that gave them the secret.
+    pub descriptor: Option<crate::segment::SegmentDescriptor>,
+}
+
+mod opt_hex {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<[u8; 32]>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(b) => s.serialize_str(&hex::encode(b)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<[u8; 32]>, D::Error> {
+        let Some(text) = Option::<String>::deserialize(d)? else {
+            return Ok(None);
+        };
+        let mut b = [0u8; 32];
+        hex::decode_to_slice(&text, &mut b).map_err(serde::de::Error::custom)?;
+        Ok(Some(b))
+    }
 }
 
 pub fn decode_json<T: for<'de> Deserialize<'de>>(
@@ -327,7 +305,8 @@ pub fn decode_json<T: for<'de> Deserialize<'de>>(
 ) -> Result<T, FrameError> {
     serde_json::from_slice(body).map_err(|e| FrameError::Body {
         what,
-        reason: e.to_string(),
+        // serde quotes what it refused: a peer's bytes, echoed back no longer than this.
+        reason: crate::parse_error::truncated(&e.to_string(), 200),
     })
 }
 

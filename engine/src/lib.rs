@@ -3,25 +3,38 @@
 //!
 //! The engine knows nothing of Kubernetes, etcd or gRPC; an inference process can embed it alone.
 
+pub mod auth;
 mod batch;
 pub mod cuda;
 mod engine;
+mod engine_config;
 mod error;
 pub mod frame;
+mod frame_error;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod handshake;
+mod location;
 mod op;
+mod opcode;
+mod parse_error;
 pub mod rdma;
 mod region;
+mod region_id;
 mod region_table;
 mod segment;
+mod throttle;
 pub mod transport;
+mod transport_kind;
 
+pub use auth::DataSecret;
 pub use batch::{Batch, BatchHandle, BatchResult, Canceller};
 pub use cuda::{CudaExport, CudaPath, IpcHandle};
 pub use engine::{Engine, EngineConfig, Peer, ServeObserver, ServedChunk};
-pub use error::{Error, RemoteError, Result, Side};
+pub use error::{Error, ErrorKind, RemoteError, Result, Side};
 pub use frame::TraceContext;
 pub use op::{BlockOp, Coalesced, Opcode, coalesce, validate};
+pub use parse_error::ParseError;
 pub use rdma::{ConnectInfo, RdmaConfig, RdmaExchange, RdmaNicInfo};
 pub use region::{AccessKey, Location, RawRange, Region, RegionId};
 pub use segment::{

@@ -5,40 +5,8 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+pub use crate::opcode::Opcode;
 use crate::region::RegionId;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Opcode {
-    /// Pull: remote → local.
-    Read,
-    /// Push: local → remote.
-    Write,
-}
-
-impl std::fmt::Display for Opcode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Opcode::Read => "read",
-            Opcode::Write => "write",
-        })
-    }
-}
-
-impl std::str::FromStr for Opcode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "read" => Ok(Opcode::Read),
-            "write" => Ok(Opcode::Write),
-            other => Err(Error::InvalidConfig {
-                field: "op",
-                value: other.into(),
-                reason: "expected read or write",
-            }),
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockOp {
@@ -49,15 +17,48 @@ pub struct BlockOp {
     pub len: u64,
 }
 
-/// Rejects zero-length ops and destination ranges that overlap within the batch (their result
-/// would depend on the order the transport happens to use).
+/// Checks a batch on its own, without the regions it names: not empty, no zero-length op, no
+/// range whose end passes 2^64, and destination ranges that do not overlap within the batch
+/// (their result would depend on the order the transport happens to use). [`Peer`] submission
+/// checks region bounds between the shape and the overlaps instead (see [`check_shape`] and
+/// [`check_destinations`]).
+///
+/// [`Peer`]: crate::Peer
 pub fn validate(ops: &[BlockOp], opcode: Opcode) -> Result<()> {
+    check_shape(ops)?;
+    for (i, o) in ops.iter().enumerate() {
+        for (field, offset) in [
+            ("local_offset", o.local_offset),
+            ("remote_offset", o.remote_offset),
+        ] {
+            if offset.checked_add(o.len).is_none() {
+                return Err(Error::RangeOverflow {
+                    op: i,
+                    field,
+                    offset,
+                    len: o.len,
+                });
+            }
+        }
+    }
+    check_destinations(ops, opcode)
+}
+
+/// Refuses empty batches and zero-length ops: the checks that need neither regions nor
+/// arithmetic, run first.
+pub(crate) fn check_shape(ops: &[BlockOp]) -> Result<()> {
     if ops.is_empty() {
         return Err(Error::EmptyBatch);
     }
     if let Some(i) = ops.iter().position(|o| o.len == 0) {
         return Err(Error::ZeroLength { op: i });
     }
+    Ok(())
+}
+
+/// Refuses destination ranges that overlap within the batch. Run after the bounds checks: its
+/// arithmetic is safe on any input, but only ranges inside their regions give it meaning.
+pub(crate) fn check_destinations(ops: &[BlockOp], opcode: Opcode) -> Result<()> {
     check_disjoint(ops.len(), |i| {
         let o = &ops[i];
         match opcode {
@@ -68,7 +69,8 @@ pub fn validate(ops: &[BlockOp], opcode: Opcode) -> Result<()> {
 }
 
 /// Fails on the first two of `n` destination ranges `(region, offset, len)` that overlap. Shared
-/// by the initiator (its batch) and the target (each manifest it is sent).
+/// by the initiator (its batch) and the target (each manifest it is sent). Callers check bounds
+/// first; a range whose end passes 2^64 is taken to end at 2^64.
 pub(crate) fn check_disjoint(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u64)) -> Result<()> {
     /// Up to this many ops every pair is compared: a latency-bound batch of one op must not pay
     /// for a bitmap as large as its offset.
@@ -95,17 +97,16 @@ pub(crate) fn check_disjoint(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u
     }
     // Sorting plain (region, offset, index) tuples, not indices through a key closure: a batch
     // of 4 KiB blocks has ~10^5 ops and this sort is most of what submitting it costs.
-    let mut order: Vec<(RegionId, u64, u32)> = (0..n)
+    let mut order: Vec<(RegionId, u64, usize)> = (0..n)
         .map(|i| {
             let (region, offset, _) = dest(i);
-            (region, offset, i as u32)
+            (region, offset, i)
         })
         .collect();
     order.sort_unstable();
     for w in order.windows(2) {
         let ((ra, oa, ia), (rb, ob, ib)) = (w[0], w[1]);
-        if ra == rb && oa.saturating_add(dest(ia as usize).2) > ob {
-            let (ia, ib) = (ia as usize, ib as usize);
+        if ra == rb && oa.saturating_add(dest(ia).2) > ob {
             return Err(Error::OverlappingDestination {
                 first: ia.min(ib),
                 second: ia.max(ib),
@@ -180,6 +181,12 @@ fn disjoint_uniform_blocks(n: usize, dest: impl Fn(usize) -> (RegionId, u64, u64
             return false;
         }
         let block = offset / len;
+        // A block past the budget cannot get a bit: refused before any size is computed from
+        // it, so the sizes below stay under 2^28 + 64 (an offset near 2^64 once made them wrap
+        // and asked for 2 EiB).
+        if block >= MAX_BITS {
+            return false;
+        }
         let (n, new) = index.number(region);
         if new {
             maps.push(Vec::new());
@@ -218,14 +225,16 @@ pub fn coalesce(ops: &[BlockOp]) -> impl Iterator<Item = Coalesced> + '_ {
         let (first_index, first) = rest.next()?;
         let mut op = *first;
         while let Some(&(_, next)) = rest.peek() {
-            if op.local_region != next.local_region
-                || op.remote_region != next.remote_region
-                || op.local_offset + op.len != next.local_offset
-                || op.remote_offset + op.len != next.remote_offset
-            {
+            // Checked: ops that were never bounds-checked (fuzzing, `validate` alone) may end
+            // past 2^64; such ends adjoin nothing, and lengths that would sum past it stay apart.
+            let adjacent = op.local_region == next.local_region
+                && op.remote_region == next.remote_region
+                && op.local_offset.checked_add(op.len) == Some(next.local_offset)
+                && op.remote_offset.checked_add(op.len) == Some(next.remote_offset);
+            let Some(len) = op.len.checked_add(next.len).filter(|_| adjacent) else {
                 break;
-            }
-            op.len += next.len;
+            };
+            op.len = len;
             rest.next();
         }
         Some(Coalesced { op, first_index })
@@ -365,6 +374,69 @@ mod tests {
         odd[5].local_offset += 1;
         assert!(!disjoint_uniform_blocks(odd.len(), local_dests(&odd)));
         validate(&odd, Opcode::Read).unwrap_err();
+    }
+
+    /// The Submit that once aborted the process: 17 one-byte ops (past the pairwise limit, so
+    /// the bitmap runs), the first at 2^64 - 1. The bitmap's size wrapped to 0 and it asked for
+    /// 2 EiB.
+    fn seventeen_from_the_top() -> Vec<BlockOp> {
+        let mut ops: Vec<BlockOp> = (0..17).map(|i| op(i, i, 1)).collect();
+        ops[0].local_offset = u64::MAX;
+        ops
+    }
+
+    #[test]
+    fn offsets_near_2_64_are_typed_errors_not_giant_bitmaps() {
+        let ops = seventeen_from_the_top();
+        let err = validate(&ops, Opcode::Read).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::RangeOverflow {
+                    op: 0,
+                    field: "local_offset",
+                    offset: u64::MAX,
+                    len: 1
+                }
+            ),
+            "{err}"
+        );
+        // Ends that still fit (the last block below 2^64) reach the overlap check itself: the
+        // bitmap declines them and the sort decides, both ways.
+        let top: Vec<BlockOp> = (0..17).map(|i| op(u64::MAX - 1 - i, i, 1)).collect();
+        assert!(!disjoint_uniform_blocks(top.len(), local_dests(&top)));
+        validate(&top, Opcode::Read).unwrap();
+        let mut dup = top.clone();
+        dup[16].local_offset = dup[2].local_offset;
+        overlap_named(&dup, 2, 16);
+        // And on the remote side, for a write.
+        let mut w: Vec<BlockOp> = (0..17).map(|i| op(i, i, 1)).collect();
+        w[5].remote_offset = u64::MAX;
+        let err = validate(&w, Opcode::Write).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::RangeOverflow {
+                    op: 5,
+                    field: "remote_offset",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn coalescing_never_wraps_offsets_or_lengths() {
+        // Adjacent on paper only by wrapping: kept apart.
+        let ops = [op(u64::MAX, 0, 1), op(0, 1, 1)];
+        assert_eq!(coalesce(&ops).count(), 2);
+        // Lengths that would add past 2^64 stay apart too.
+        let big = u64::MAX / 2 + 1;
+        let ops = [op(0, 0, big), op(big, big, big)];
+        let c: Vec<_> = coalesce(&ops).collect();
+        assert_eq!(c.len(), 2);
+        assert_eq!((c[0].op.len, c[1].op.len), (big, big));
     }
 
     #[test]

@@ -9,56 +9,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rustix::fs::{MemfdFlags, SealFlags, fcntl_add_seals, fcntl_get_seals, memfd_create};
 use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
-use serde::{Deserialize, Serialize};
+
 use tokio::sync::Notify;
 
 use crate::cuda::CudaExport;
 use crate::error::{Error, Result, Side};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct RegionId(pub u64);
-
-impl fmt::Display for RegionId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
-/// The secret a peer must present to touch a region (the role an rkey plays in RDMA).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct AccessKey(pub u64);
-
-impl AccessKey {
-    pub fn random() -> Self {
-        AccessKey(rand::random())
-    }
-}
-
-impl fmt::Debug for AccessKey {
-    // Keys end up in logs through Debug; never print the secret itself.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("AccessKey(..)")
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase")]
-pub enum Location {
-    Host { numa: Option<u32> },
-    Cuda { device: u32 },
-}
-
-impl fmt::Display for Location {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Location::Host { numa: Some(n) } => write!(f, "host(numa {n})"),
-            Location::Host { numa: None } => f.write_str("host"),
-            Location::Cuda { device } => write!(f, "cuda:{device}"),
-        }
-    }
-}
+pub use crate::location::Location;
+pub use crate::region_id::{AccessKey, RegionId};
 
 /// Where a region's bytes live and who frees them.
 enum Backing {

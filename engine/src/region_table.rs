@@ -111,7 +111,7 @@ impl RegionTable {
                     r.range(0, "ptr", 0, 0).map_or(0, |x| x.ptr as usize as u64)
                 });
                 let end = ptr.checked_add(len)?;
-                (ptr >= base && end <= base + r.len()).then_some((r.id(), ptr - base))
+                (ptr >= base && end <= base.checked_add(r.len())?).then_some((r.id(), ptr - base))
             })
             .ok_or(Error::UnregisteredPointer { location, ptr, len })
     }

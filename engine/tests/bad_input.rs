@@ -8,12 +8,16 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use common::{
-    bytes, config, random_region, raw_connect, raw_hello, read_frame, remote_error, target,
+    bytes, config, random_region, raw_connect, raw_hello, read_challenge, read_frame, remote_error,
+    send_frame, target,
 };
-use kvfabric_engine::frame::{Entry, FLAG_CRC, FLAG_ERROR, FrameKind, Header, PROTOCOL_VERSION};
+use kvfabric_engine::frame::{
+    Challenge, Entry, FLAG_CRC, FLAG_ERROR, FrameError, FrameKind, Header, Hello, PROTOCOL_VERSION,
+    Welcome,
+};
 use kvfabric_engine::{
-    AccessKey, Batch, BlockOp, Endpoints, Engine, EngineConfig, Error, Preference, RegionId,
-    SegmentDescriptor, Side, TransportKind,
+    AccessKey, Batch, BlockOp, DataSecret, Endpoints, Engine, EngineConfig, Error, Preference,
+    RegionId, SegmentDescriptor, Side, TransportKind,
 };
 
 const TCP: Preference = Preference::Only(TransportKind::Tcp);
@@ -35,7 +39,10 @@ async fn out_of_bounds_unknown_region_zero_length_and_overlap_are_refused_before
     let me = Engine::new(config("initiator")).unwrap();
     let local = random_region(&me, 8192, 1);
     let remote = random_region(&t.engine, 8192, 2);
-    let peer = me.connect(&t.engine.descriptor(), TCP, None).await.unwrap();
+    let peer = me
+        .connect(&t.engine.descriptor(), t.engine.data_secret(), TCP, None)
+        .await
+        .unwrap();
     let (l, r) = (local.id(), remote.id());
     let (lb, rb) = (bytes(&local), bytes(&remote));
 
@@ -140,6 +147,110 @@ async fn out_of_bounds_unknown_region_zero_length_and_overlap_are_refused_before
     assert_eq!(bytes(&remote)[..100], lb[..100]);
 }
 
+/// The Submit that once aborted the process: 17 one-byte ops (one past the pairwise overlap
+/// check, so the bitmap ran) whose first `local_offset` is 2^64 - 1. The overlap check ran before
+/// the bounds checks, its size arithmetic wrapped and it asked for 2 EiB. Now the bounds come
+/// first and name the op.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seventeen_one_byte_ops_from_2_64_minus_1_are_out_of_bounds_not_an_abort() {
+    let t = target(config("target")).await;
+    let me = Engine::new(config("initiator")).unwrap();
+    let local = random_region(&me, 8192, 1);
+    let remote = random_region(&t.engine, 8192, 2);
+    let (l, r) = (local.id(), remote.id());
+    let mut ops: Vec<BlockOp> = (0..17).map(|i| op(l, i, r, i, 1)).collect();
+    ops[0].local_offset = u64::MAX;
+    for pref in [TCP, SHM] {
+        let peer = me
+            .connect(&t.engine.descriptor(), t.engine.data_secret(), pref, None)
+            .await
+            .unwrap();
+        for batch in [Batch::read(ops.clone()), Batch::write(ops.clone())] {
+            let err = peer.submit(batch).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::OutOfBounds {
+                        op: 0,
+                        field: "local_offset",
+                        offset: u64::MAX,
+                        len: 1,
+                        region_len: 8192,
+                        ..
+                    }
+                ),
+                "{pref:?}: {err}"
+            );
+        }
+        // The remote side the same way, and the peer still works.
+        let mut remote_top = ops.clone();
+        remote_top[0].local_offset = 100;
+        remote_top[16].remote_offset = u64::MAX;
+        let err = peer.submit(Batch::write(remote_top)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutOfBounds {
+                    op: 16,
+                    field: "remote_offset",
+                    ..
+                }
+            ),
+            "{pref:?}: {err}"
+        );
+        peer.submit(Batch::read(vec![op(l, 0, r, 0, 64)]))
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+    }
+    assert_eq!(bytes(&local)[..64], bytes(&remote)[..64]);
+}
+
+/// A caller's timeout too large to add to a clock reading waits (for ever, in effect) instead
+/// of panicking the submitting thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_past_the_clock_s_range_is_no_panic() {
+    let t = target(config("target")).await;
+    let me = Engine::new(config("initiator")).unwrap();
+    let local = random_region(&me, 8192, 1);
+    let remote = random_region(&t.engine, 8192, 2);
+    let peer = me
+        .connect(&t.engine.descriptor(), t.engine.data_secret(), TCP, None)
+        .await
+        .unwrap();
+    let ops = vec![op(local.id(), 0, remote.id(), 0, 4096)];
+    let batch = Batch::read(ops.clone()).with_timeout(Duration::MAX);
+    let done = tokio::task::spawn_blocking(move || peer.run(batch).map(|r| r.bytes))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(done, 4096);
+    let peer = me
+        .connect(&t.engine.descriptor(), t.engine.data_secret(), SHM, None)
+        .await
+        .unwrap();
+    let h = peer
+        .submit(Batch::write(ops).with_timeout(Duration::MAX))
+        .unwrap();
+    assert_eq!(h.wait().await.unwrap().bytes, 4096);
+    let err = Engine::new(EngineConfig {
+        max_batch_ops: 1 << 33,
+        ..config("x")
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                field: "max_batch_ops",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_batches_are_refused() {
     let t = target(config("target")).await;
@@ -150,7 +261,10 @@ async fn oversized_batches_are_refused() {
     .unwrap();
     let local = random_region(&me, 8192, 1);
     let remote = random_region(&t.engine, 8192, 2);
-    let peer = me.connect(&t.engine.descriptor(), TCP, None).await.unwrap();
+    let peer = me
+        .connect(&t.engine.descriptor(), t.engine.data_secret(), TCP, None)
+        .await
+        .unwrap();
     let ops = (0..5)
         .map(|i| op(local.id(), i * 10, remote.id(), i * 10, 10))
         .collect();
@@ -177,7 +291,7 @@ async fn wrong_region_key_is_refused_by_the_target_and_nothing_is_written() {
     let rb = bytes(&remote);
     for pref in [TCP, SHM] {
         let peer = me
-            .connect(&t.engine.descriptor(), pref, None)
+            .connect(&t.engine.descriptor(), t.engine.data_secret(), pref, None)
             .await
             .unwrap();
         let mut forged = t.engine.descriptor();
@@ -213,19 +327,36 @@ async fn wrong_segment_key_and_protocol_version_fail_the_handshake() {
     let me = Engine::new(config("initiator")).unwrap();
     let d = t.engine.descriptor();
     for pref in [TCP, SHM] {
-        let err = me.connect(&d, pref, Some(41)).await.unwrap_err();
+        let err = me
+            .connect(&d, t.engine.data_secret(), pref, Some(41))
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::WrongSegmentKey { .. }), "{err}");
-        let err = me.connect(&d, pref, None).await.unwrap_err();
+        let err = me
+            .connect(&d, t.engine.data_secret(), pref, None)
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::WrongSegmentKey { .. }), "{err}");
-        me.connect(&d, pref, Some(42)).await.unwrap();
+        me.connect(&d, t.engine.data_secret(), pref, Some(42))
+            .await
+            .unwrap();
     }
     let mut other = d.clone();
     other.name = "someone-else".into();
-    let err = me.connect(&other, TCP, Some(42)).await.unwrap_err();
+    let err = me
+        .connect(&other, t.engine.data_secret(), TCP, Some(42))
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::UnknownSegment { .. }), "{err}");
 
     let mut s = std::net::TcpStream::connect(d.endpoints.tcp.unwrap()).unwrap();
-    let (h, body) = raw_hello(&mut s, PROTOCOL_VERSION + 1, &d.name, Some(42));
+    let (h, body) = raw_hello(
+        &mut s,
+        t.engine.data_secret(),
+        PROTOCOL_VERSION + 1,
+        &d.name,
+        Some(42),
+    );
     assert_eq!(h.kind, FrameKind::Welcome);
     assert!(h.has(FLAG_ERROR));
     let e = remote_error(&body);
@@ -237,7 +368,9 @@ async fn wrong_segment_key_and_protocol_version_fail_the_handshake() {
         e.message
     );
     // The target still serves others.
-    me.connect(&d, TCP, Some(42)).await.unwrap();
+    me.connect(&d, t.engine.data_secret(), TCP, Some(42))
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -247,11 +380,14 @@ async fn garbage_and_truncated_frames_close_only_that_connection() {
     let local = random_region(&me, 65536, 1);
     let remote = random_region(&t.engine, 65536, 2);
     let d = t.engine.descriptor();
-    let peer = me.connect(&d, TCP, None).await.unwrap();
+    let peer = me
+        .connect(&d, t.engine.data_secret(), TCP, None)
+        .await
+        .unwrap();
     let rb = bytes(&remote);
 
     // Garbage instead of a frame: the target names the problem and hangs up.
-    let mut s = raw_connect(&d);
+    let mut s = raw_connect(&d, t.engine.data_secret());
     s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n-----")
         .unwrap();
     let (h, body) = read_frame(&mut s);
@@ -265,14 +401,17 @@ async fn garbage_and_truncated_frames_close_only_that_connection() {
         "connection must be closed"
     );
 
-    // Garbage before the handshake.
+    // Garbage before the handshake: the one refusal a stranger gets, no detail.
     let mut s = std::net::TcpStream::connect(d.endpoints.tcp.unwrap()).unwrap();
+    read_challenge(&mut s);
     s.write_all(&[0xff; 64]).unwrap();
-    let (h, _) = read_frame(&mut s);
+    let (h, body) = read_frame(&mut s);
     assert!(h.has(FLAG_ERROR));
+    assert_eq!(remote_error(&body).code, "unauthenticated");
+    assert_eq!(remote_error(&body).message, "authentication failed");
 
     // A write manifest promising 4096 bytes of which only 100 arrive.
-    let mut s = raw_connect(&d);
+    let mut s = raw_connect(&d, t.engine.data_secret());
     let key = d.regions[0].key;
     let mut frame = Header::new(FrameKind::WriteManifest, 7, 1, 4096)
         .encode()
@@ -286,15 +425,26 @@ async fn garbage_and_truncated_frames_close_only_that_connection() {
     .encode_into(&mut frame);
     frame.extend_from_slice(&[0xAB; 100]);
     s.write_all(&frame).unwrap();
-    drop(s);
+    // We send no more: the target sees the end and must close (not wait, not write more).
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    assert_eq!(
+        s.read_to_end(&mut Vec::new()).unwrap(),
+        0,
+        "closed without a word"
+    );
 
-    // A header cut short.
-    let mut s = raw_connect(&d);
+    // A header cut short: the same.
+    let mut s = raw_connect(&d, t.engine.data_secret());
     s.write_all(&Header::new(FrameKind::ReadManifest, 1, 3, 30).encode()[..20])
         .unwrap();
-    drop(s);
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    assert_eq!(
+        s.read_to_end(&mut Vec::new()).unwrap(),
+        0,
+        "closed without a word"
+    );
 
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The target has closed both, so whatever it wrote is in place now.
     let after = bytes(&remote);
     // Only the 100 delivered bytes may have landed, and only inside the destination range.
     assert!(after[..1000] == rb[..1000] && after[1100..] == rb[1100..]);
@@ -315,7 +465,7 @@ async fn refused_manifests_are_drained_and_the_connection_stays_usable() {
     let rb = bytes(&remote);
     let d = t.engine.descriptor();
     let key = d.regions[0].key;
-    let mut s = raw_connect(&d);
+    let mut s = raw_connect(&d, t.engine.data_secret());
 
     let send = |s: &mut std::net::TcpStream, h: Header, entries: &[Entry], payload: &[u8]| {
         let mut frame = h.encode().to_vec();
@@ -414,8 +564,8 @@ async fn refused_manifests_are_drained_and_the_connection_stays_usable() {
     assert_eq!(bytes(&remote)[..4], [5, 6, 7, 8]);
 }
 
-/// A fake target that completes the handshake and then misbehaves.
-fn fake_target(behaviour: fn(std::net::TcpStream)) -> SegmentDescriptor {
+/// A fake target that completes the handshake (with the returned secret) and then misbehaves.
+fn fake_target(behaviour: fn(std::net::TcpStream)) -> (SegmentDescriptor, DataSecret) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let real = SegmentDescriptor {
@@ -436,35 +586,49 @@ fn fake_target(behaviour: fn(std::net::TcpStream)) -> SegmentDescriptor {
             shm: None,
         },
     };
-    let d = real.clone();
+    let secret = DataSecret::random();
+    let theirs = secret.clone();
     std::thread::spawn(move || {
         for s in listener.incoming() {
             let mut s = s.unwrap();
-            let d = d.clone();
+            let secret = secret.clone();
             std::thread::spawn(move || {
-                let mut h = [0u8; 32];
-                s.read_exact(&mut h).unwrap();
-                let h = Header::decode(&h).unwrap();
-                let mut body = vec![0u8; h.len as usize];
-                s.read_exact(&mut body).unwrap();
-                let welcome = serde_json::to_vec(&kvfabric_engine::frame::Welcome {
+                let nonce = kvfabric_engine::auth::nonce();
+                let challenge = Challenge {
                     protocol: PROTOCOL_VERSION,
-                    descriptor: d,
+                    nonce,
+                };
+                send_frame(
+                    &mut s,
+                    FrameKind::Challenge,
+                    &serde_json::to_vec(&challenge).unwrap(),
+                );
+                let (_, body) = read_frame(&mut s);
+                let hello: Hello = serde_json::from_slice(&body).unwrap();
+                let x = kvfabric_engine::auth::Exchange {
+                    target: &nonce,
+                    initiator: &hello.nonce,
+                    from: &hello.from,
+                };
+                assert!(x.check_initiator(&secret, &hello.proof));
+                let welcome = serde_json::to_vec(&Welcome {
+                    protocol: PROTOCOL_VERSION,
+                    proof: x.target_proof(&secret),
+                    idle_timeout_ms: 0,
+                    descriptor: None,
                 })
                 .unwrap();
-                s.write_all(&Header::new(FrameKind::Welcome, 0, 0, welcome.len() as u64).encode())
-                    .unwrap();
-                s.write_all(&welcome).unwrap();
+                send_frame(&mut s, FrameKind::Welcome, &welcome);
                 behaviour(s);
             });
         }
     });
-    real
+    (real, theirs)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_closes_mid_batch_fails_the_batch_promptly() {
-    let d = fake_target(|mut s| {
+    let (d, secret) = fake_target(|mut s| {
         // Take part of the first chunk, then vanish.
         let mut buf = [0u8; 1000];
         let _ = s.read_exact(&mut buf);
@@ -475,7 +639,7 @@ async fn a_peer_that_closes_mid_batch_fails_the_batch_promptly() {
     })
     .unwrap();
     let local = random_region(&me, 1 << 20, 1);
-    let peer = me.connect(&d, TCP, None).await.unwrap();
+    let peer = me.connect(&d, &secret, TCP, None).await.unwrap();
     let started = std::time::Instant::now();
     let err = peer
         .submit(Batch::write(vec![op(
@@ -505,7 +669,7 @@ async fn a_peer_that_closes_mid_batch_fails_the_batch_promptly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_peer_times_out_and_cancel_works_and_deregister_waits() {
-    let d = fake_target(|mut s| {
+    let (d, secret) = fake_target(|mut s| {
         // Read everything, answer nothing, keep the connection open until the client leaves.
         let mut buf = [0u8; 4096];
         while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
@@ -516,7 +680,7 @@ async fn a_silent_peer_times_out_and_cancel_works_and_deregister_waits() {
     })
     .unwrap();
     let local = random_region(&me, 1 << 20, 1);
-    let peer = me.connect(&d, TCP, None).await.unwrap();
+    let peer = me.connect(&d, &secret, TCP, None).await.unwrap();
     let ops = vec![op(local.id(), 0, RegionId(1), 0, 4096)];
 
     let h = peer
@@ -588,7 +752,12 @@ async fn shm_refuses_caller_memory_and_unknown_regions() {
     let local = random_region(&me, 8192, 1);
     // Auto sees the caller region and does not pick shm, saying why.
     let peer = me
-        .connect(&t.engine.descriptor(), Preference::Auto, None)
+        .connect(
+            &t.engine.descriptor(),
+            t.engine.data_secret(),
+            Preference::Auto,
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(peer.transport(), TransportKind::Tcp);
@@ -599,7 +768,7 @@ async fn shm_refuses_caller_memory_and_unknown_regions() {
     );
     // Forced shm is refused up front.
     let err = me
-        .connect(&t.engine.descriptor(), SHM, None)
+        .connect(&t.engine.descriptor(), t.engine.data_secret(), SHM, None)
         .await
         .unwrap_err();
     assert!(matches!(err, Error::TransportUnavailable { .. }), "{err}");
@@ -614,7 +783,10 @@ async fn shm_refuses_caller_memory_and_unknown_regions() {
 
     // A forged descriptor pointing shm at a region that is not there.
     let shared = random_region(&t.engine, 8190, 3);
-    let peer = me.connect(&t.engine.descriptor(), SHM, None).await.unwrap();
+    let peer = me
+        .connect(&t.engine.descriptor(), t.engine.data_secret(), SHM, None)
+        .await
+        .unwrap();
     let mut forged = t.engine.descriptor();
     forged.regions[0].id = RegionId(777);
     peer.set_descriptor(forged);
@@ -648,4 +820,114 @@ async fn shm_refuses_caller_memory_and_unknown_regions() {
         ),
         "{err}"
     );
+}
+
+/// Reads one read manifest and answers it as `tweak` says: the header, the payload and the crc
+/// trailer it would send, changed.
+fn answer_read(mut s: std::net::TcpStream, tweak: fn(&mut Header, &mut Vec<u8>, &mut Vec<u8>)) {
+    let mut head = [0u8; 32];
+    if s.read_exact(&mut head).is_err() {
+        return;
+    }
+    let h = Header::decode(&head).unwrap();
+    let mut manifest = vec![0u8; h.manifest_len()];
+    s.read_exact(&mut manifest).unwrap();
+    let mut payload = vec![0x5au8; h.len as usize];
+    let mut trailer: Vec<u8> = if h.has(FLAG_CRC) {
+        // One entry per op here: the crc of each entry's bytes.
+        let entries = kvfabric_engine::frame::decode_manifest(&h, &manifest).unwrap();
+        let mut at = 0;
+        entries
+            .iter()
+            .flat_map(|e| {
+                let crc = crc32c::crc32c(&payload[at..at + e.len as usize]);
+                at += e.len as usize;
+                crc.to_le_bytes()
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut reply =
+        Header::new(FrameKind::ReadData, h.tag, h.count, h.len).with_flags(h.flags & FLAG_CRC);
+    tweak(&mut reply, &mut payload, &mut trailer);
+    let _ = s.write_all(&reply.encode());
+    let _ = s.write_all(&payload);
+    let _ = s.write_all(&trailer);
+    // Keep the connection until the initiator drops it.
+    let _ = s.read_to_end(&mut Vec::new());
+}
+
+fn wrong_tag(s: std::net::TcpStream) {
+    answer_read(s, |h, _, _| h.tag += 1);
+}
+
+fn wrong_length(s: std::net::TcpStream) {
+    answer_read(s, |h, p, _| {
+        h.len += 100;
+        p.extend_from_slice(&[0x5a; 100]);
+    });
+}
+
+fn corrupted_payload(s: std::net::TcpStream) {
+    // The crc trailer is of the bytes as they should be; one of them is flipped on the way.
+    answer_read(s, |_, p, _| p[1000] ^= 0xff);
+}
+
+/// A target that answers a read with the wrong tag or length, or corrupts the payload of a
+/// checksummed read: a typed error naming what was wrong, nothing written outside the requested
+/// range (nothing at all when the reply does not match), and a mismatched reply's connection is
+/// dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_target_gets_typed_errors_and_writes_nothing_outside_the_range() {
+    let cases: [(fn(std::net::TcpStream), bool); 3] = [
+        (wrong_tag, false),
+        (wrong_length, false),
+        (corrupted_payload, true),
+    ];
+    for (behaviour, checksum) in cases {
+        let (d, secret) = fake_target(behaviour);
+        let me = Engine::new(EngineConfig {
+            tcp_connections: 1,
+            ..config("initiator")
+        })
+        .unwrap();
+        let local = me.alloc(64 << 10).unwrap();
+        // SAFETY: no batch in flight.
+        unsafe { local.as_mut_slice() }.fill(0x11);
+        let peer = me.connect(&d, &secret, TCP, None).await.unwrap();
+        let batch =
+            Batch::read(vec![op(local.id(), 8192, RegionId(1), 0, 4096)]).with_checksum(checksum);
+        let err = peer.submit(batch).unwrap().wait().await.unwrap_err();
+        let after = bytes(&local);
+        assert!(
+            after[..8192].iter().all(|&b| b == 0x11) && after[12288..].iter().all(|&b| b == 0x11),
+            "written outside the requested range: {err}"
+        );
+        if checksum {
+            assert!(matches!(err, Error::Checksum { op: 0, .. }), "{err}");
+        } else {
+            assert!(
+                matches!(
+                    &err,
+                    Error::Frame(FrameError::TagMismatch { .. })
+                        | Error::Frame(FrameError::ReplyMismatch { field: "len", .. })
+                ),
+                "{err}"
+            );
+            assert!(
+                after[8192..12288].iter().all(|&b| b == 0x11),
+                "{err}: payload read"
+            );
+            // The connection is gone: the next batch fails at once, typed.
+            assert_eq!(peer.stats().connections, 0);
+            let err = peer
+                .submit(Batch::read(vec![op(local.id(), 0, RegionId(1), 0, 16)]))
+                .unwrap()
+                .wait()
+                .await
+                .unwrap_err();
+            assert!(matches!(err, Error::PeerClosed { .. }), "{err}");
+        }
+    }
 }

@@ -131,6 +131,7 @@ async fn gpu_memory_over_tcp_without_staging_is_a_typed_error() {
     let peer = initiator
         .connect(
             &target.engine.descriptor(),
+            target.engine.data_secret(),
             Preference::Only(TransportKind::Tcp),
             None,
         )
@@ -198,7 +199,12 @@ async fn a_garbage_ipc_handle_is_a_typed_error() {
         rdma: Vec::new(),
     }];
     let peer = engine
-        .connect(&d, Preference::Only(TransportKind::CudaIpc), None)
+        .connect(
+            &d,
+            &kvfabric_engine::DataSecret::random(),
+            Preference::Only(TransportKind::CudaIpc),
+            None,
+        )
         .await
         .unwrap();
     let result = peer
@@ -465,7 +471,12 @@ async fn gpu_memory_over_tcp_and_shm_is_staged_and_every_byte_arrives() {
         ];
         let peer = Arc::new(
             initiator
-                .connect(&target.engine.descriptor(), Preference::Only(kind), None)
+                .connect(
+                    &target.engine.descriptor(),
+                    target.engine.data_secret(),
+                    Preference::Only(kind),
+                    None,
+                )
                 .await
                 .unwrap(),
         );
@@ -510,7 +521,12 @@ async fn with_staging_off_gpu_ops_are_refused_typed_and_nothing_is_written() {
     };
     for kind in [TransportKind::Tcp, TransportKind::Shm] {
         let peer = initiator
-            .connect(&target.engine.descriptor(), Preference::Only(kind), None)
+            .connect(
+                &target.engine.descriptor(),
+                target.engine.data_secret(),
+                Preference::Only(kind),
+                None,
+            )
             .await
             .unwrap();
         for batch in [
@@ -549,6 +565,7 @@ async fn with_staging_off_gpu_ops_are_refused_typed_and_nothing_is_written() {
     let peer = initiator
         .connect(
             &target.engine.descriptor(),
+            target.engine.data_secret(),
             Preference::Only(TransportKind::Tcp),
             None,
         )
@@ -576,6 +593,7 @@ async fn with_staging_off_gpu_ops_are_refused_typed_and_nothing_is_written() {
     let err = initiator
         .connect(
             &target.engine.descriptor(),
+            target.engine.data_secret(),
             Preference::Only(TransportKind::Shm),
             None,
         )
@@ -609,6 +627,7 @@ async fn a_peer_gone_mid_gpu_batch_is_a_typed_error_and_later_batches_are_exact(
         let peer = initiator
             .connect(
                 &target.engine.descriptor(),
+                target.engine.data_secret(),
                 Preference::Only(TransportKind::Tcp),
                 None,
             )
@@ -662,6 +681,7 @@ async fn a_peer_gone_mid_gpu_batch_is_a_typed_error_and_later_batches_are_exact(
         initiator
             .connect(
                 &target.engine.descriptor(),
+                target.engine.data_secret(),
                 Preference::Only(TransportKind::Tcp),
                 None,
             )
@@ -763,7 +783,12 @@ async fn an_ipc_handle_from_a_dead_process_is_a_typed_error() {
         rdma: Vec::new(),
     }];
     let peer = engine
-        .connect(&d, Preference::Only(TransportKind::CudaIpc), None)
+        .connect(
+            &d,
+            &kvfabric_engine::DataSecret::random(),
+            Preference::Only(TransportKind::CudaIpc),
+            None,
+        )
         .await
         .unwrap();
     let err = peer
@@ -852,7 +877,12 @@ async fn latency_mode_small_batches_over_cuda_ipc_are_exact() {
     }];
     let peer = Arc::new(
         engine
-            .connect(&d, Preference::Only(TransportKind::CudaIpc), None)
+            .connect(
+                &d,
+                &kvfabric_engine::DataSecret::random(),
+                Preference::Only(TransportKind::CudaIpc),
+                None,
+            )
             .await
             .unwrap(),
     );

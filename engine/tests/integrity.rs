@@ -78,7 +78,12 @@ async fn run(kind: TransportKind, checksum: bool, seed: u64) {
         }
         let peer: Arc<Peer> = Arc::new(
             initiator
-                .connect(&t.engine.descriptor(), Preference::Only(kind), None)
+                .connect(
+                    &t.engine.descriptor(),
+                    t.engine.data_secret(),
+                    Preference::Only(kind),
+                    None,
+                )
                 .await
                 .unwrap(),
         );
@@ -143,7 +148,12 @@ async fn adjacent_ops_are_coalesced_and_land_correctly() {
     let (lb, rb) = (bytes(&local), bytes(&remote));
     for kind in [TransportKind::Tcp, TransportKind::Shm] {
         let peer = initiator
-            .connect(&t.engine.descriptor(), Preference::Only(kind), None)
+            .connect(
+                &t.engine.descriptor(),
+                t.engine.data_secret(),
+                Preference::Only(kind),
+                None,
+            )
             .await
             .unwrap();
         let res = peer
@@ -164,7 +174,12 @@ async fn auto_selection_picks_shm_on_one_node_and_tcp_across_nodes() {
     let t = target(config("target")).await;
     let near = Engine::new(config("near")).unwrap();
     let peer = near
-        .connect(&t.engine.descriptor(), Preference::Auto, None)
+        .connect(
+            &t.engine.descriptor(),
+            t.engine.data_secret(),
+            Preference::Auto,
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(peer.transport(), TransportKind::Shm);
@@ -176,7 +191,12 @@ async fn auto_selection_picks_shm_on_one_node_and_tcp_across_nodes() {
     })
     .unwrap();
     let peer = far
-        .connect(&t.engine.descriptor(), Preference::Auto, None)
+        .connect(
+            &t.engine.descriptor(),
+            t.engine.data_secret(),
+            Preference::Auto,
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(peer.transport(), TransportKind::Tcp);
@@ -197,6 +217,7 @@ async fn blocking_runs_and_async_batches_share_a_connection() {
     let peer = Arc::new(
         me.connect(
             &t.engine.descriptor(),
+            t.engine.data_secret(),
             Preference::Only(TransportKind::Tcp),
             None,
         )
@@ -262,6 +283,7 @@ async fn shm_drops_mappings_of_regions_the_peer_no_longer_publishes() {
     let peer = me
         .connect(
             &t.engine.descriptor(),
+            t.engine.data_secret(),
             Preference::Only(TransportKind::Shm),
             None,
         )

@@ -40,6 +40,7 @@ async fn served_chunks_carry_the_initiators_trace_context() {
     let peer = me
         .connect(
             &t.engine.descriptor(),
+            t.engine.data_secret(),
             Preference::Only(TransportKind::Tcp),
             None,
         )

@@ -229,6 +229,7 @@ async fn two_engines_pull_and_push_through_the_rdma_transport() {
     let peer = a
         .connect_with(
             &d,
+            b.data_secret(),
             Preference::Only(TransportKind::Rdma),
             None,
             exchange(&b, "rdma-a"),
@@ -287,7 +288,13 @@ async fn two_engines_pull_and_push_through_the_rdma_transport() {
 
     // Auto picks rdma for a peer without shm or cuda-ipc, and says why.
     let auto = a
-        .connect_with(&d, Preference::Auto, None, exchange(&b, "rdma-a"))
+        .connect_with(
+            &d,
+            b.data_secret(),
+            Preference::Auto,
+            None,
+            exchange(&b, "rdma-a"),
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -334,6 +341,7 @@ async fn without_a_device_every_entry_point_is_a_typed_error() {
     let err = a
         .connect_with(
             &d,
+            b.data_secret(),
             Preference::Only(TransportKind::Rdma),
             None,
             exchange(&b, "no-rdma-a"),
@@ -344,7 +352,12 @@ async fn without_a_device_every_entry_point_is_a_typed_error() {
     assert!(err.to_string().contains("no usable RDMA device"), "{err}");
     // Without an exchange, rdma is refused for that reason first.
     let err = a
-        .connect(&d, Preference::Only(TransportKind::Rdma), None)
+        .connect(
+            &d,
+            b.data_secret(),
+            Preference::Only(TransportKind::Rdma),
+            None,
+        )
         .await
         .unwrap_err();
     assert!(err.to_string().contains("RdmaExchange"), "{err}");

@@ -32,9 +32,20 @@ async fn an_adopted_memfd_is_sealed_shared_and_guarded_by_the_registrars_key() {
     let t = target(config("agent-a")).await;
     let key = AccessKey(0x5eed);
     let fd = memfd(64 << 10, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING);
+    // The worker keeps its own handle on the memory.
+    let workers = fd.try_clone().unwrap();
     let shared = t.engine.register_memfd(fd, key).unwrap();
     assert!(shared.shareable());
     assert_eq!(shared.len(), 64 << 10);
+    // Sealed: the worker can no longer shrink it under the agent's mapping (SIGBUS there).
+    let err = rustix::fs::ftruncate(&workers, 4096).unwrap_err();
+    assert_eq!(err, rustix::io::Errno::PERM, "shrinking must be refused");
+    assert_eq!(rustix::fs::fstat(&workers).unwrap().st_size, 64 << 10);
+    assert!(
+        rustix::fs::fcntl_get_seals(&workers)
+            .unwrap()
+            .contains(rustix::fs::SealFlags::SHRINK)
+    );
     // SAFETY: no transfer runs yet.
     unsafe { shared.as_mut_slice() }.fill(0xab);
 
@@ -45,7 +56,12 @@ async fn an_adopted_memfd_is_sealed_shared_and_guarded_by_the_registrars_key() {
         unsafe { local.as_mut_slice() }.fill(0);
         let read_back = || bytes(&local)[..4096].iter().all(|&b| b == 0xab);
         let peer = me
-            .connect(&t.engine.descriptor(), Preference::Only(kind), None)
+            .connect(
+                &t.engine.descriptor(),
+                t.engine.data_secret(),
+                Preference::Only(kind),
+                None,
+            )
             .await
             .unwrap();
         let read =

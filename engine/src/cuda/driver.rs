@@ -53,7 +53,9 @@ pub(crate) struct Kernels {
     pub copy: sys::CUfunction,
     pub copy_inline: sys::CUfunction,
     pub doorbell: sys::CUfunction,
+    #[cfg(feature = "bench-helpers")]
     pub fill: sys::CUfunction,
+    #[cfg(feature = "bench-helpers")]
     pub verify: sys::CUfunction,
 }
 
@@ -182,7 +184,9 @@ impl Device {
             copy: get("kvf_copy")?,
             copy_inline: get("kvf_copy_inline")?,
             doorbell: get("kvf_doorbell")?,
+            #[cfg(feature = "bench-helpers")]
             fill: get("kvf_fill")?,
+            #[cfg(feature = "bench-helpers")]
             verify: get("kvf_verify")?,
         })
     }
@@ -483,6 +487,7 @@ impl Event {
         }
     }
 
+    #[cfg(feature = "bench-helpers")]
     pub(crate) fn elapsed_ms(&self, since: &Event) -> Result<f32> {
         let mut ms = 0.0f32;
         // SAFETY: both events were created with timing and recorded.

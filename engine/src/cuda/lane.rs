@@ -252,7 +252,7 @@ impl Lane {
     fn enqueue_kernel(&self, slot: &mut Slot, copies: &[DeviceCopy]) -> Result<()> {
         slot.list.clear();
         for c in copies {
-            slot.list.push(c.src, c.dst, c.len);
+            slot.list.push(c.src, c.dst, c.len)?;
         }
         let k = self.device.kernels()?;
         let warps_per_cta = (driver::THREADS / 32) as usize;

@@ -4,6 +4,8 @@
 //! driver at run time) the same functions exist and answer `Error::NoCudaDriver`, so callers need
 //! no cfg of their own.
 
+#[cfg(feature = "bench-helpers")]
+mod bench;
 pub mod ipc;
 pub mod oplist;
 
@@ -22,8 +24,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
 
+/// The bench's helpers (device patterns, verification, peer-copy ceilings, the self-test).
+#[cfg(feature = "bench-helpers")]
+pub use bench::*;
 pub use ipc::{CudaExport, IpcHandle};
-pub use oplist::pattern_word;
 
 #[cfg(feature = "cuda")]
 pub use ops::*;
@@ -124,29 +128,8 @@ pub fn uuid_name(b: &[u8; 16]) -> String {
     )
 }
 
-/// What `verify` found in a device pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceVerdict {
-    pub bad_words: u64,
-    /// Index of the first 8-byte word that differs.
-    pub first_bad_word: Option<u64>,
-}
-
-/// What `selftest` checked.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SelftestReport {
-    pub devices: (u32, u32),
-    pub rounds: usize,
-    pub copies: usize,
-    pub bytes: u64,
-    pub paths: Vec<String>,
-}
-
 #[cfg(not(feature = "cuda"))]
 mod stub {
-    use std::sync::Arc;
-
-    use super::{DeviceVerdict, SelftestReport};
     use crate::error::{Error, Result};
     use crate::region::Region;
 
@@ -162,37 +145,10 @@ mod stub {
     pub fn devices() -> Result<Vec<super::CudaDeviceInfo>> {
         off()
     }
-    pub fn fill(_region: &Arc<Region>, _block_size: u64, _seed: u64) -> Result<()> {
-        off()
-    }
-    pub fn verify(
-        _region: &Arc<Region>,
-        _block_size: u64,
-        _source_of: &[u32],
-        _source_seed: u64,
-        _poison_seed: u64,
-    ) -> Result<DeviceVerdict> {
-        off()
-    }
     pub fn copy_to_host(_region: &Region, _offset: u64, _out: &mut [u8]) -> Result<()> {
         off()
     }
     pub fn copy_from_host(_region: &Region, _offset: u64, _data: &[u8]) -> Result<()> {
-        off()
-    }
-    pub fn peer_copy_gbps(_dst: u32, _src: u32, _bytes: u64, _iters: usize) -> Result<f64> {
-        off()
-    }
-    pub fn peer_copy_latency_us(
-        _dst: u32,
-        _src: u32,
-        _bytes: u64,
-        _pool: u64,
-        _iters: usize,
-    ) -> Result<f64> {
-        off()
-    }
-    pub fn selftest(_devices: (u32, u32), _rounds: usize, _seed: u64) -> Result<SelftestReport> {
         off()
     }
     pub(crate) fn alloc_region(_id: crate::RegionId, _device: u32, _len: u64) -> Result<Region> {

@@ -4,6 +4,8 @@
 //! Layout (little-endian u64 words, read by `kvf_copy` in copy.cu): `[next, count]` then `count`
 //! triples `(src, dst, len)`. `next` is the kernel's work counter and is uploaded as 0.
 
+use crate::error::{Error, Result};
+
 /// Width of one vector access in the kernel.
 pub const VECTOR: u64 = 16;
 /// Words before the first op.
@@ -29,8 +31,14 @@ impl DeviceOp {
 /// Splits one copy into at most three: a bytewise head up to the next 16-byte boundary, an
 /// aligned body, and a bytewise tail. When source and destination disagree modulo 16 no split
 /// can align both, and the whole copy goes bytewise (correct, slow; KV blocks never do this).
+/// A copy whose end passes 2^64 on either side is left whole (it can name no real memory, and
+/// [`OpList::push`] refuses it).
 pub fn split_aligned(src: u64, dst: u64, len: u64) -> [Option<DeviceOp>; 3] {
-    if !(src ^ dst).is_multiple_of(VECTOR) || len < VECTOR {
+    if !(src ^ dst).is_multiple_of(VECTOR)
+        || len < VECTOR
+        || src.checked_add(len).is_none()
+        || dst.checked_add(len).is_none()
+    {
         return [Some(DeviceOp { src, dst, len }), None, None];
     }
     let head = ((VECTOR - src % VECTOR) % VECTOR).min(len);
@@ -76,14 +84,25 @@ impl OpList {
         self.len() == 0
     }
 
-    /// Adds one copy, aligned and cut as the kernel wants it.
-    pub fn push(&mut self, src: u64, dst: u64, len: u64) {
+    /// Adds one copy, aligned and cut as the kernel wants it. A copy whose end passes 2^64 on
+    /// either side is refused (`RangeOverflow`), so every address computed below is exact.
+    pub fn push(&mut self, src: u64, dst: u64, len: u64) -> Result<()> {
+        for (field, at) in [("src", src), ("dst", dst)] {
+            if at.checked_add(len).is_none() {
+                return Err(Error::RangeOverflow {
+                    op: self.len(),
+                    field,
+                    offset: at,
+                    len,
+                });
+            }
+        }
         // KV blocks are aligned and no longer than a piece: one triple, no splitting. A batch of
         // 4 KiB blocks holds ~10^5 of them, and this runs once for each.
         if (src | dst | len).is_multiple_of(VECTOR) && len <= self.max_piece && len > 0 {
             self.words.extend_from_slice(&[src, dst, len]);
             self.words[1] += 1;
-            return;
+            return Ok(());
         }
         for op in split_aligned(src, dst, len).into_iter().flatten() {
             let mut at = 0;
@@ -94,6 +113,7 @@ impl OpList {
             }
         }
         self.words[1] = self.len() as u64;
+        Ok(())
     }
 
     /// The list as the kernel reads it.
@@ -110,20 +130,6 @@ impl OpList {
                 len: w[2],
             })
     }
-}
-
-/// Word `i` of block `b` of a pool filled from `seed` (the bench's device pattern; the same mix
-/// as `kvf_word` in copy.cu).
-pub fn pattern_word(seed: u64, b: u64, i: u64) -> u64 {
-    let mut x = seed
-        .wrapping_add(b.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-        .wrapping_add(i.wrapping_mul(0xD1B5_4A32_D192_ED03));
-    x ^= x >> 30;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^= x >> 31;
-    x
 }
 
 #[cfg(test)]
@@ -191,8 +197,8 @@ mod tests {
     #[test]
     fn op_list_packs_header_then_triples_and_cuts_long_ops() {
         let mut list = OpList::new(64 << 10);
-        list.push(0x10_0000, 0x20_0000, 200 << 10);
-        list.push(0x30_0001, 0x40_0001, 31);
+        list.push(0x10_0000, 0x20_0000, 200 << 10).unwrap();
+        list.push(0x30_0001, 0x40_0001, 31).unwrap();
         let w = list.words();
         assert_eq!(w[0], 0, "the work counter starts at zero");
         assert_eq!(w[1] as usize, list.len());
@@ -236,7 +242,7 @@ mod tests {
                     (x >> 40) % (300 << 10) / 16 * 16,
                 ),
             };
-            list.push(src, dst, len);
+            list.push(src, dst, len).unwrap();
             want.push((src, dst, len));
         }
         let ops: Vec<_> = list.ops().collect();
@@ -260,11 +266,19 @@ mod tests {
     }
 
     #[test]
-    fn pattern_words_differ_by_seed_block_and_word() {
-        let a = pattern_word(1, 2, 3);
-        assert_ne!(a, pattern_word(2, 2, 3));
-        assert_ne!(a, pattern_word(1, 3, 3));
-        assert_ne!(a, pattern_word(1, 2, 4));
-        assert_eq!(a, pattern_word(1, 2, 3));
+    fn copies_ending_past_2_64_are_refused_whole() {
+        let mut list = OpList::new(64 << 10);
+        for (src, dst, len) in [(u64::MAX - 15, 0x1000, 32), (0x1000, u64::MAX, 1)] {
+            let err = list.push(src, dst, len).unwrap_err();
+            assert!(matches!(err, Error::RangeOverflow { .. }), "{err}");
+            assert_eq!(
+                split_aligned(src, dst, len),
+                [Some(DeviceOp { src, dst, len }), None, None]
+            );
+        }
+        assert!(list.is_empty());
+        // The last copy that still fits is split and listed.
+        list.push(u64::MAX - 64, 0x1000 - 64, 64).unwrap();
+        assert_eq!(list.ops().map(|o| o.len).sum::<u64>(), 64);
     }
 }

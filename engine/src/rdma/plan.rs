@@ -102,12 +102,14 @@ pub struct Slice {
     pub len: u64,
 }
 
-/// Cuts `ops` into slices of at most `slice_bytes`, in order.
-pub fn slices(ops: &[Coalesced], slice_bytes: u64) -> impl Iterator<Item = Slice> + '_ {
+/// Cuts `ops` into slices of at most `slice_bytes`, in order. Every op's ends must fit in 64
+/// bits (as bounds-checked ops do; [`plan`] checks it).
+fn slices(ops: &[Coalesced], slice_bytes: u64) -> impl Iterator<Item = Slice> + '_ {
     let step = slice_bytes.max(1);
     ops.iter().flat_map(move |c| {
         let o = c.op;
         (0..o.len.div_ceil(step)).map(move |k| {
+            // k * step < len, and offset + len fits (checked by `plan`).
             let at = k * step;
             Slice {
                 op: c.first_index,
@@ -119,6 +121,34 @@ pub fn slices(ops: &[Coalesced], slice_bytes: u64) -> impl Iterator<Item = Slice
             }
         })
     })
+}
+
+/// Refuses what `slices` and the lane sums cannot carry: an op whose end passes 2^64, or ops
+/// whose lengths add up past it.
+fn check_sums(ops: &[Coalesced]) -> Result<u64> {
+    let mut total = 0u64;
+    for c in ops {
+        let o = &c.op;
+        for (field, offset) in [
+            ("local_offset", o.local_offset),
+            ("remote_offset", o.remote_offset),
+        ] {
+            if offset.checked_add(o.len).is_none() {
+                return Err(Error::RangeOverflow {
+                    op: c.first_index,
+                    field,
+                    offset,
+                    len: o.len,
+                });
+            }
+        }
+        total = total.checked_add(o.len).ok_or(Error::BatchTooLarge {
+            field: "bytes",
+            value: u64::MAX,
+            limit: u64::MAX,
+        })?;
+    }
+    Ok(total)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -172,6 +202,8 @@ pub fn plan(ops: &[Coalesced], lanes: &[Lane], cfg: &PlanConfig) -> Result<Plan>
     if let Some(c) = ops.iter().find(|c| c.op.len == 0) {
         return Err(Error::ZeroLength { op: c.first_index });
     }
+    // Every sum below (lane loads, bytes) is at most this total.
+    check_sums(ops)?;
     let mut per_lane: Vec<LanePlan> = lanes
         .iter()
         .map(|&lane| LanePlan {
@@ -255,6 +287,45 @@ mod tests {
             ]
         );
         assert_eq!(slices(&ops, 1 << 20).count(), 2);
+    }
+
+    #[test]
+    fn ops_ending_past_2_64_or_summing_past_it_are_refused() {
+        let l = lanes(1, 2);
+        let err = plan(&[op(4, u64::MAX - 2, 0, 8)], &l, &cfg(4, 1)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::RangeOverflow {
+                    op: 4,
+                    field: "local_offset",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = plan(&[op(0, 0, u64::MAX, 1)], &l, &cfg(4, 1)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::RangeOverflow {
+                    field: "remote_offset",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let half = u64::MAX / 2 + 1;
+        let err = plan(
+            &[op(0, 0, 0, half), op(1, 0, 0, half)],
+            &l,
+            &cfg(MAX_MESSAGE, 1),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, Error::BatchTooLarge { field: "bytes", .. }),
+            "{err}"
+        );
     }
 
     #[test]

@@ -792,6 +792,7 @@ impl Qp {
         }
         let name = self.name();
         let mut sges = Vec::with_capacity(chain.len());
+        let mut remote_addrs = Vec::with_capacity(chain.len());
         for (i, w) in chain.iter().enumerate() {
             let check = |field: &'static str, region: RegionId, offset: u64, region_len: u64| {
                 if w.len == 0 {
@@ -830,7 +831,22 @@ impl Qp {
                     ),
                 });
             }
+            // The remote base comes from the peer's descriptor: its sum with an offset inside
+            // the region may still pass 2^64.
+            let remote_addr = w
+                .remote
+                .addr
+                .checked_add(w.remote_offset)
+                .filter(|a| a.checked_add(w.len.into()).is_some())
+                .ok_or(Error::RangeOverflow {
+                    op: i,
+                    field: "remote rdma addr",
+                    offset: w.remote.addr,
+                    len: w.remote_offset.saturating_add(w.len.into()),
+                })?;
+            remote_addrs.push(remote_addr);
             sges.push(ffi::ibv_sge {
+                // Inside our own registration (checked above).
                 addr: w.local.addr + w.local_offset,
                 length: w.len,
                 lkey: w.local.lkey(),
@@ -839,7 +855,8 @@ impl Qp {
         let mut wrs: Vec<ffi::ibv_send_wr> = chain
             .iter()
             .zip(sges.iter_mut())
-            .map(|(w, sge)| {
+            .zip(remote_addrs)
+            .map(|((w, sge), remote_addr)| {
                 let mut wr = ffi::ibv_send_wr {
                     wr_id: w.wr_id,
                     next: std::ptr::null_mut(),
@@ -857,7 +874,7 @@ impl Qp {
                     ..Default::default()
                 };
                 wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
-                    remote_addr: w.remote.addr + w.remote_offset,
+                    remote_addr,
                     rkey: w.remote.rkey,
                 };
                 wr

@@ -196,6 +196,7 @@ impl CudaIpcLink {
                     region_len,
                 });
             }
+            // Inside the mapping: offset + len <= mapped_len - export.offset (checked above).
             let there = base + remote.export.offset + p.remote.offset;
             let here = p.local.ptr as usize as u64;
             let (src, dst) = match opcode {

@@ -3,7 +3,7 @@
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub(crate) fn write_all_vectored<W: Write>(
     w: &mut W,
@@ -48,55 +48,152 @@ pub(crate) fn discard<R: Read>(r: &mut R, mut len: u64, scratch: &mut Vec<u8>) -
     Ok(())
 }
 
+/// Reads exactly `need` bytes into `buf`, growing it only as bytes arrive (to at most twice what
+/// has arrived, or 64 KiB): a header that promises much makes us hold little until the peer has
+/// sent it. `buf` keeps its capacity for the next frame.
+pub(crate) fn read_to_len<R: Read>(r: &mut R, buf: &mut Vec<u8>, need: usize) -> io::Result<()> {
+    const AHEAD: usize = 64 << 10;
+    buf.clear();
+    while buf.len() < need {
+        let have = buf.len();
+        let next = have + (need - have).min(have.max(AHEAD));
+        buf.resize(next, 0);
+        r.read_exact(&mut buf[have..])?;
+    }
+    Ok(())
+}
+
 /// Reads a control body of a length the header decoder has already bounded.
 pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body)?;
+    let need = usize::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    let mut body = Vec::new();
+    read_to_len(r, &mut body, need)?;
     Ok(body)
 }
 
 /// The blocking stream sockets the data plane serves (tcp and Unix).
 pub(crate) trait Socket: Read + Write + Sized + Send + 'static {
     fn shutdown(&self, how: Shutdown) -> io::Result<()>;
+    /// Read timeout (None: block for ever).
     fn set_timeout(&self, t: Duration) -> io::Result<()>;
+    fn set_send_timeout(&self, t: Duration) -> io::Result<()>;
     fn duplicate(&self) -> io::Result<Self>;
 }
 
-impl Socket for TcpStream {
-    fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        TcpStream::shutdown(self, how)
-    }
-    fn set_timeout(&self, t: Duration) -> io::Result<()> {
-        self.set_read_timeout(Some(t))
-    }
-    fn duplicate(&self) -> io::Result<Self> {
-        self.try_clone()
+macro_rules! socket {
+    ($t:ty) => {
+        impl Socket for $t {
+            fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+                <$t>::shutdown(self, how)
+            }
+            fn set_timeout(&self, t: Duration) -> io::Result<()> {
+                self.set_read_timeout(Some(t))
+            }
+            fn set_send_timeout(&self, t: Duration) -> io::Result<()> {
+                <$t>::set_write_timeout(self, Some(t))
+            }
+            fn duplicate(&self) -> io::Result<Self> {
+                self.try_clone()
+            }
+        }
+    };
+}
+socket!(TcpStream);
+socket!(UnixStream);
+
+/// A socket whose reads and writes all end by `deadline`, however the peer paces its bytes
+/// (each call gets the time left, not a fresh timeout).
+pub(crate) struct Until<'a, S: Socket> {
+    pub s: &'a mut S,
+    pub deadline: Instant,
+}
+
+impl<S: Socket> Until<'_, S> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        Ok(left)
     }
 }
 
-impl Socket for UnixStream {
-    fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        UnixStream::shutdown(self, how)
+impl<S: Socket> Read for Until<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_timeout(left)?;
+        self.s.read(buf)
     }
-    fn set_timeout(&self, t: Duration) -> io::Result<()> {
-        self.set_read_timeout(Some(t))
+}
+
+impl<S: Socket> Write for Until<'_, S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_send_timeout(left)?;
+        self.s.write(buf)
     }
-    fn duplicate(&self) -> io::Result<Self> {
-        self.try_clone()
+    fn flush(&mut self) -> io::Result<()> {
+        self.s.flush()
     }
 }
 
 /// Closes after an error so that the error frame is not lost: closing with unread input makes
-/// the kernel send a reset, which discards what we just wrote. Bounded in time and bytes.
+/// the kernel send a reset, which discards what we just wrote. Bounded in bytes and in time
+/// (in all, not per read: a peer trickling bytes cannot keep us here).
 pub(crate) fn hang_up<S: Socket>(s: &mut S) {
+    const LINGER: Duration = Duration::from_millis(500);
     let _ = s.shutdown(Shutdown::Write);
-    let _ = s.set_timeout(Duration::from_millis(500));
-    let mut scratch = vec![0u8; 1 << 16];
+    let deadline = Instant::now() + LINGER;
+    let mut scratch = [0u8; 16 << 10];
     let mut left: usize = 16 << 20;
     while left > 0 {
+        let now = Instant::now();
+        if now >= deadline || s.set_timeout(deadline - now).is_err() {
+            break;
+        }
         match s.read(&mut scratch) {
             Ok(0) | Err(_) => break,
             Ok(n) => left = left.saturating_sub(n),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader that hands out `n` bytes and then reports the end.
+    struct Trickle(usize);
+
+    impl Read for Trickle {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = self.0.min(buf.len());
+            buf[..n].fill(7);
+            self.0 -= n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn buffers_grow_with_the_bytes_that_arrived_not_with_the_promise() {
+        let mut buf = Vec::new();
+        // 2 MiB promised, 100 bytes sent: the buffer never passed the first 64 KiB step.
+        let err = read_to_len(&mut Trickle(100), &mut buf, 2 << 20).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        assert!(buf.capacity() <= 64 << 10, "{}", buf.capacity());
+        // 1 MiB promised, 300 KiB sent: at most twice what arrived.
+        let mut buf = Vec::new();
+        read_to_len(&mut Trickle(300 << 10), &mut buf, 1 << 20).unwrap_err();
+        assert!(
+            buf.capacity() <= 2 * (300 << 10) + (64 << 10),
+            "{}",
+            buf.capacity()
+        );
+        // Everything sent: exactly the length, every byte.
+        let mut buf = Vec::new();
+        read_to_len(&mut Trickle(1 << 20), &mut buf, 1 << 20).unwrap();
+        assert_eq!(buf.len(), 1 << 20);
+        assert!(buf.iter().all(|&b| b == 7));
+        assert_eq!(read_body(&mut Trickle(5), 5).unwrap(), [7; 5]);
     }
 }

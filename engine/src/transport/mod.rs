@@ -4,12 +4,13 @@
 use std::fmt;
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::batch::Job;
 use crate::frame::Entry;
 use crate::region::{Location, RawRange, RegionId};
 use crate::segment::SegmentDescriptor;
+pub use crate::transport_kind::TransportKind;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda_ipc;
@@ -22,45 +23,9 @@ pub mod select;
 pub(crate) mod shm;
 pub(crate) mod shm_server;
 pub(crate) mod staging;
+pub(crate) mod target;
 pub(crate) mod tcp;
 pub(crate) mod tcp_server;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum TransportKind {
-    Tcp,
-    Shm,
-    CudaIpc,
-    Rdma,
-}
-
-impl fmt::Display for TransportKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            TransportKind::Tcp => "tcp",
-            TransportKind::Shm => "shm",
-            TransportKind::CudaIpc => "cuda-ipc",
-            TransportKind::Rdma => "rdma",
-        })
-    }
-}
-
-impl std::str::FromStr for TransportKind {
-    type Err = crate::Error;
-    fn from_str(s: &str) -> crate::Result<Self> {
-        match s {
-            "tcp" => Ok(TransportKind::Tcp),
-            "shm" => Ok(TransportKind::Shm),
-            "cuda-ipc" => Ok(TransportKind::CudaIpc),
-            "rdma" => Ok(TransportKind::Rdma),
-            other => Err(crate::Error::InvalidConfig {
-                field: "transport",
-                value: other.into(),
-                reason: "expected tcp, shm, cuda-ipc or rdma",
-            }),
-        }
-    }
-}
 
 /// One contiguous piece of a batch after coalescing and bounds checks: the local bytes and the
 /// remote place they go to or come from.

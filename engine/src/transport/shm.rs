@@ -9,19 +9,22 @@ use std::collections::HashMap;
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
 use super::fdpass::recv_fd;
+use super::io::Until;
 use super::staging::{DirectCopy, Direction, HostPin, Streams, copy_direct, device_of};
 use super::{Piece, Transport, TransportKind, TransportStats};
+use crate::auth::DataSecret;
 use crate::batch::Job;
 use crate::error::{Error, Result};
-use crate::frame::{ENTRY_LEN, FLAG_ERROR, FrameError, FrameKind, HEADER_LEN, Header, Hello};
-use crate::handshake::{self, closed_or_io, read_remote_error};
+use crate::frame::{ENTRY_LEN, FLAG_ERROR, FrameError, FrameKind, HEADER_LEN, Header};
+use crate::handshake::{self, Credentials, closed_or_io, read_remote_error};
 use crate::op::Opcode;
 use crate::region::{AccessKey, RawRange, Region, RegionId};
 use crate::segment::SegmentDescriptor;
@@ -34,9 +37,46 @@ pub(crate) struct ShmLink {
     inner: Arc<ShmInner>,
 }
 
+/// How to (re)open the control socket: the target closes it after its idle timeout, and a
+/// mapping request finding it closed dials again.
+#[derive(Debug)]
+struct Dial {
+    path: PathBuf,
+    secret: DataSecret,
+    segment: String,
+    key: Option<u64>,
+    from: String,
+    /// Connect, handshake, and every mapping request's reply, each within this.
+    timeout: Duration,
+}
+
+impl Dial {
+    fn open(&self, peer: &str) -> Result<(UnixStream, Option<SegmentDescriptor>)> {
+        let mut sock = UnixStream::connect(&self.path)
+            .map_err(|e| Error::io(format!("connect shm socket {peer}"), e))?;
+        let creds = Credentials {
+            secret: &self.secret,
+            segment: &self.segment,
+            key: self.key,
+            from: &self.from,
+        };
+        let until = &mut Until {
+            s: &mut sock,
+            deadline: Instant::now() + self.timeout,
+        };
+        let welcomed = handshake::client(until, peer, creds)?;
+        // Mapping requests are answered at once; a target that does not is stuck.
+        sock.set_read_timeout(Some(self.timeout))
+            .and_then(|()| sock.set_write_timeout(Some(self.timeout)))
+            .map_err(|e| Error::io("set shm socket timeouts", e))?;
+        Ok((sock, welcomed.descriptor))
+    }
+}
+
 #[derive(Debug)]
 struct ShmInner {
     peer: String,
+    dial: Dial,
     sock: Mutex<UnixStream>,
     maps: Mutex<HashMap<RegionId, Arc<Region>>>,
     /// Mappings page-locked for GPU copies (each keeps its mapping alive).
@@ -51,16 +91,24 @@ struct ShmInner {
 impl ShmLink {
     pub(crate) fn connect(
         path: &Path,
-        hello: &Hello,
+        creds: Credentials<'_>,
+        timeout: Duration,
         pool: Arc<rayon::ThreadPool>,
         parallel_min: u64,
-    ) -> Result<(ShmLink, SegmentDescriptor)> {
+    ) -> Result<(ShmLink, Option<SegmentDescriptor>)> {
         let peer = path.display().to_string();
-        let mut sock = UnixStream::connect(path)
-            .map_err(|e| Error::io(format!("connect shm socket {peer}"), e))?;
-        let descriptor = handshake::client(&mut sock, &peer, hello)?;
+        let dial = Dial {
+            path: path.to_path_buf(),
+            secret: creds.secret.clone(),
+            segment: creds.segment.into(),
+            key: creds.key,
+            from: creds.from.into(),
+            timeout,
+        };
+        let (sock, descriptor) = dial.open(&peer)?;
         let inner = ShmInner {
             peer,
+            dial,
             sock: Mutex::new(sock),
             maps: Mutex::default(),
             pins: Mutex::default(),
@@ -260,7 +308,14 @@ impl ShmInner {
         }
         let fd = {
             let mut sock = self.sock.lock().unwrap_or_else(|e| e.into_inner());
-            self.request_fd(&mut sock, id, key)?
+            match self.request_fd(&mut sock, id, key) {
+                // Closed while idle (the target's idle timeout): dial again, ask again.
+                Err(Error::PeerClosed { .. }) => {
+                    *sock = self.dial.open(&self.peer)?.0;
+                    self.request_fd(&mut sock, id, key)?
+                }
+                other => other?,
+            }
         };
         let region = Arc::new(Region::map_peer(id, key, fd)?);
         self.maps

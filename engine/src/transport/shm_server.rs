@@ -6,32 +6,43 @@ use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use tracing::info;
+use tracing::{debug, info};
 
 use super::fdpass::send_fd;
 use super::io::hang_up;
-use crate::engine::Inner;
+use super::listener::Admission;
+use super::target::Target;
 use crate::error::{Error, Result, Side};
 use crate::frame::{ENTRY_LEN, Entry, FrameError, FrameKind, Header};
 use crate::handshake::{self, closed_or_io, read_header, send_error};
 
-pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: UnixStream, peer: String) {
-    let descriptor = inner.descriptor();
+pub(crate) fn serve_conn(
+    target: Arc<Target>,
+    mut stream: UnixStream,
+    peer: String,
+    admission: Admission<UnixStream>,
+) {
     if handshake::accept(
         &mut stream,
         &peer,
         "shm",
-        &descriptor,
-        inner.config.segment_key,
+        target.gate(),
+        || target.descriptor(),
+        || admission.authenticated(),
     )
     .is_none()
     {
         return;
     }
     loop {
-        match serve_one(&inner, &mut stream, &peer) {
+        match serve_one(&target, &mut stream, &peer) {
             Ok(()) => {}
             Err(Error::PeerClosed { .. }) => break,
+            Err(e) if e.timed_out() => {
+                // Silent past the idle timeout: the initiator dials again when it needs us.
+                debug!(%peer, "closing idle shm connection");
+                break;
+            }
             Err(e) => {
                 info!(%peer, error = %e, "closing shm connection");
                 send_error(&mut stream, FrameKind::MapReply, 0, &e);
@@ -42,7 +53,7 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: UnixStream, peer: String
     }
 }
 
-fn serve_one(inner: &Inner, s: &mut UnixStream, peer: &str) -> Result<()> {
+fn serve_one(target: &Target, s: &mut UnixStream, peer: &str) -> Result<()> {
     let h = read_header(s, peer)?;
     if h.kind != FrameKind::MapRegion || h.count != 1 || h.len != ENTRY_LEN as u64 {
         return Err(FrameError::Unexpected {
@@ -54,7 +65,7 @@ fn serve_one(inner: &Inner, s: &mut UnixStream, peer: &str) -> Result<()> {
     let mut body = [0u8; ENTRY_LEN];
     s.read_exact(&mut body).map_err(|e| closed_or_io(e, peer))?;
     let entry = Entry::decode(&body);
-    let lease = match inner
+    let lease = match target
         .regions
         .lease_checked(entry.region, entry.key, Side::Remote)
     {

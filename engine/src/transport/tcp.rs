@@ -14,21 +14,21 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rustix::net::{SendFlags, send};
 use tracing::{debug, warn};
 
-use super::io::{discard, read_exact_vectored, write_all_vectored};
+use super::io::{Until, discard, read_exact_vectored, write_all_vectored};
 use super::staging::{Span, Staging, device_of};
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::error::{Error, Result};
 use crate::frame::{
-    ENTRY_LEN, FLAG_CRC, FLAG_ERROR, FLAG_TRACE, FrameError, FrameKind, HEADER_LEN, Header, Hello,
+    ENTRY_LEN, FLAG_CRC, FLAG_ERROR, FLAG_TRACE, FrameError, FrameKind, HEADER_LEN, Header,
     MAX_ENTRIES, TRACE_LEN, decode_crcs,
 };
-use crate::handshake::{self, closed_or_io, read_header, read_remote_error};
+use crate::handshake::{self, Credentials, closed_or_io, read_header, read_remote_error};
 use crate::op::Opcode;
 use crate::segment::SegmentDescriptor;
 
@@ -60,6 +60,9 @@ struct Queue {
     /// Someone (the writer thread or an inline submitter) is writing to the socket.
     busy: bool,
     closed: bool,
+    /// When the last write started (the writer sends a KeepAlive after `Conn::keepalive` of
+    /// silence).
+    last: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -82,6 +85,8 @@ struct Conn {
     tx_staging: Mutex<Option<Staging>>,
     /// The reader's ring (wire → GPU), made at the first GPU read; held by whoever reads.
     rx_staging: Mutex<Option<Staging>>,
+    /// A third of the target's idle timeout: how long the connection may stay silent.
+    keepalive: Option<Duration>,
     /// Bytes queued or on the wire, to spread chunks over connections.
     outstanding: AtomicU64,
     moved: AtomicU64,
@@ -98,32 +103,52 @@ pub(crate) struct TcpOptions {
     pub connections: usize,
     pub chunk_bytes: u64,
     pub staging_bytes: u64,
+    /// Connect and handshake, each connection, within this.
+    pub handshake_timeout: Duration,
 }
 
 impl TcpLink {
     /// Opens `connections` data connections to `addr` and shakes hands on each. Blocking.
+    /// Returns the peer's descriptor when its answer carried one.
     pub(crate) fn connect(
         addr: SocketAddr,
-        hello: &Hello,
+        creds: Credentials<'_>,
         opts: TcpOptions,
-    ) -> Result<(TcpLink, SegmentDescriptor)> {
+    ) -> Result<(TcpLink, Option<SegmentDescriptor>)> {
         let peer = addr.to_string();
         let mut conns = Vec::with_capacity(opts.connections);
         let mut descriptor = None;
         for _ in 0..opts.connections.max(1) {
-            let mut stream = TcpStream::connect(addr)
+            let deadline = Instant::now() + opts.handshake_timeout;
+            let mut stream = TcpStream::connect_timeout(&addr, opts.handshake_timeout)
                 .map_err(|e| Error::io(format!("connect tcp {peer}"), e))?;
             stream
                 .set_nodelay(true)
                 .map_err(|e| Error::io("set TCP_NODELAY", e))?;
-            descriptor = Some(handshake::client(&mut stream, &peer, hello)?);
-            conns.push(Conn::start(peer.clone(), stream, opts.staging_bytes)?);
+            let until = &mut Until {
+                s: &mut stream,
+                deadline,
+            };
+            let welcomed = handshake::client(until, &peer, creds)?;
+            // From here on batches carry their own deadlines.
+            stream
+                .set_read_timeout(None)
+                .and_then(|()| stream.set_write_timeout(None))
+                .map_err(|e| Error::io("clear socket timeouts", e))?;
+            descriptor = welcomed.descriptor;
+            let keepalive = (!welcomed.idle_timeout.is_zero()).then(|| welcomed.idle_timeout / 3);
+            conns.push(Conn::start(
+                peer.clone(),
+                stream,
+                opts.staging_bytes,
+                keepalive,
+            )?);
         }
         let link = TcpLink {
             conns,
             chunk_bytes: opts.chunk_bytes.max(1),
         };
-        Ok((link, descriptor.expect("at least one connection")))
+        Ok((link, descriptor))
     }
 
     /// Cuts the pieces into chunks of about `chunk_bytes` (splitting large pieces) so a big batch
@@ -245,14 +270,22 @@ impl Drop for TcpLink {
 }
 
 impl Conn {
-    fn start(peer: String, stream: TcpStream, staging_bytes: u64) -> Result<Arc<Conn>> {
+    fn start(
+        peer: String,
+        stream: TcpStream,
+        staging_bytes: u64,
+        keepalive: Option<Duration>,
+    ) -> Result<Arc<Conn>> {
         let reader = stream
             .try_clone()
             .map_err(|e| Error::io("clone tcp stream", e))?;
         let conn = Arc::new(Conn {
             peer,
             stream,
-            queue: Mutex::default(),
+            queue: Mutex::new(Queue {
+                last: Some(Instant::now()),
+                ..Queue::default()
+            }),
             wake: Condvar::new(),
             pending: Mutex::default(),
             rstream: reader,
@@ -260,6 +293,7 @@ impl Conn {
             read_turn: Condvar::new(),
             alive: AtomicBool::new(true),
             staging_bytes,
+            keepalive,
             tx_staging: Mutex::new(None),
             rx_staging: Mutex::new(None),
             outstanding: AtomicU64::new(0),
@@ -300,6 +334,7 @@ impl Conn {
             return;
         }
         q.busy = true;
+        q.last = Some(Instant::now());
         drop(q);
         self.write_inline(chunk);
     }
@@ -430,19 +465,37 @@ impl Conn {
         }
     }
 
+    /// The next thing to write: queued work, or a KeepAlive after `keepalive` of silence.
     fn next_work(&self) -> Option<Work> {
         let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if q.closed {
                 return None;
             }
-            if !q.busy
-                && let Some(w) = q.items.pop_front()
-            {
-                q.busy = true;
-                return Some(w);
+            let now = Instant::now();
+            let silent = q.last.map_or(Duration::MAX, |t| now - t);
+            if !q.busy {
+                let work = q.items.pop_front().or_else(|| {
+                    self.keepalive.filter(|&k| silent >= k).map(|_| {
+                        Work::Tail(Header::new(FrameKind::KeepAlive, 0, 0, 0).encode().to_vec())
+                    })
+                });
+                if let Some(w) = work {
+                    q.busy = true;
+                    q.last = Some(now);
+                    return Some(w);
+                }
             }
-            q = self.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+            q = match self.keepalive {
+                Some(k) => {
+                    let wait = k.saturating_sub(silent).max(Duration::from_millis(1));
+                    self.wake
+                        .wait_timeout(q, wait)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+                None => self.wake.wait(q).unwrap_or_else(|e| e.into_inner()),
+            };
         }
     }
 
@@ -550,29 +603,29 @@ impl Conn {
                 expected: "no reply (nothing outstanding)",
             })?;
         self.outstanding.fetch_sub(chunk.bytes, Ordering::Relaxed);
+        // A reply that does not match what we asked fails its batch with what was wrong (and
+        // the connection, which is out of step): nothing of its payload is read.
+        let mismatch = |e: FrameError| {
+            // Closed first: by the time its batch hears why, the connection takes no more.
+            self.close(Error::Frame(e.clone()));
+            chunk.job.piece_failed(Error::Frame(e.clone()));
+            Err(Error::Frame(e))
+        };
         if h.tag != chunk.tag {
-            chunk.job.piece_failed(Error::PeerClosed {
-                peer: self.peer.clone(),
-            });
-            return Err(FrameError::TagMismatch {
+            return mismatch(FrameError::TagMismatch {
                 expected: chunk.tag,
                 found: h.tag,
-            }
-            .into());
+            });
         }
         let expected = match chunk.job.opcode {
             Opcode::Write => FrameKind::Ack,
             Opcode::Read => FrameKind::ReadData,
         };
         if h.kind != expected {
-            chunk.job.piece_failed(Error::PeerClosed {
-                peer: self.peer.clone(),
-            });
-            return Err(FrameError::Unexpected {
+            return mismatch(FrameError::Unexpected {
                 kind: h.kind,
                 expected: "the reply to the oldest outstanding chunk",
-            }
-            .into());
+            });
         }
         if h.has(FLAG_ERROR) {
             let err = read_remote_error(stream, &h, &self.peer)?;
@@ -585,14 +638,19 @@ impl Conn {
             return Ok(());
         }
         if h.len != chunk.bytes || h.count as usize != chunk.pieces.len() {
-            chunk.job.piece_failed(Error::PeerClosed {
-                peer: self.peer.clone(),
+            return mismatch(FrameError::ReplyMismatch {
+                field: if h.len != chunk.bytes { "len" } else { "count" },
+                claimed: if h.len != chunk.bytes {
+                    h.len
+                } else {
+                    u64::from(h.count)
+                },
+                expected: if h.len != chunk.bytes {
+                    chunk.bytes
+                } else {
+                    chunk.pieces.len() as u64
+                },
             });
-            return Err(FrameError::LengthMismatch {
-                claimed: h.len,
-                actual: chunk.bytes,
-            }
-            .into());
         }
         let io = |e| closed_or_io(e, &self.peer);
         if chunk.job.is_cancelled() {

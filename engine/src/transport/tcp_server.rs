@@ -12,10 +12,11 @@ use std::time::{Instant, SystemTime};
 use tracing::{debug, info};
 
 use super::TransportKind;
-use super::io::{discard, hang_up, read_exact_vectored, write_all_vectored};
+use super::io::{discard, hang_up, read_exact_vectored, read_to_len, write_all_vectored};
+use super::listener::Admission;
 use super::staging::{Span, Staging, device_of};
-use crate::engine::Inner;
-use crate::engine::ServedChunk;
+use super::target::ServedChunk;
+use super::target::Target;
 use crate::error::{Error, Result, Side};
 use crate::frame::{
     FLAG_CRC, FrameError, FrameKind, Header, TraceContext, decode_crcs, decode_manifest,
@@ -29,21 +30,29 @@ use crate::region::{Lease, Location, RawRange};
 /// Largest refused payload we drain to keep a connection; past it we just close.
 const DISCARD_LIMIT: u64 = 1 << 32;
 
-pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String) {
-    let descriptor = inner.descriptor();
+/// A connection's manifest buffer is kept between chunks up to this size (4096 entries).
+const MANIFEST_KEPT: usize = 128 << 10;
+
+pub(crate) fn serve_conn(
+    target: Arc<Target>,
+    mut stream: TcpStream,
+    peer: String,
+    admission: Admission<TcpStream>,
+) {
     if handshake::accept(
         &mut stream,
         &peer,
         "tcp",
-        &descriptor,
-        inner.config.segment_key,
+        target.gate(),
+        || target.descriptor(),
+        || admission.authenticated(),
     )
     .is_none()
     {
         return;
     }
     let mut conn = ServerConn {
-        inner,
+        target,
         peer,
         manifest: Vec::new(),
         scratch: Vec::new(),
@@ -55,6 +64,11 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String)
         match conn.serve_one(&mut stream) {
             Ok(()) => {}
             Err(Error::PeerClosed { .. }) | Err(Error::ShuttingDown) => break,
+            Err(e) if e.timed_out() => {
+                // Silent past the idle timeout (live initiators send KeepAlive), or stuck.
+                debug!(peer = %conn.peer, "closing idle tcp data connection");
+                break;
+            }
             Err(e) => {
                 // The stream can no longer be trusted to be in step: say why, then hang up.
                 info!(peer = %conn.peer, error = %e, "closing tcp data connection");
@@ -68,7 +82,7 @@ pub(crate) fn serve_conn(inner: Arc<Inner>, mut stream: TcpStream, peer: String)
 }
 
 struct ServerConn {
-    inner: Arc<Inner>,
+    target: Arc<Target>,
     peer: String,
     manifest: Vec<u8>,
     scratch: Vec<u8>,
@@ -107,6 +121,8 @@ impl ServerConn {
         self.trace = None;
         self.refusal = None;
         let (opcode, result) = match h.kind {
+            // An idle initiator's sign of life: nothing to answer.
+            FrameKind::KeepAlive if h.len == 0 && h.count == 0 => return Ok(()),
             FrameKind::WriteManifest => (Opcode::Write, self.write(s, &h)),
             FrameKind::ReadManifest => (Opcode::Read, self.read(s, &h)),
             kind => {
@@ -117,7 +133,7 @@ impl ServerConn {
                 .into());
             }
         };
-        if let Some(observer) = &self.inner.config.observer {
+        if let Some(observer) = &self.target.observer {
             observer.served(&ServedChunk {
                 peer: &self.peer,
                 opcode,
@@ -136,11 +152,15 @@ impl ServerConn {
     }
 
     fn entries(&mut self, s: &mut TcpStream, h: &Header) -> Result<Vec<crate::frame::Entry>> {
-        self.manifest.resize(h.manifest_len(), 0);
-        s.read_exact(&mut self.manifest)
+        read_to_len(s, &mut self.manifest, h.manifest_len())
             .map_err(|e| closed_or_io(e, &self.peer))?;
         self.trace = decode_trace(h, &self.manifest);
-        Ok(decode_manifest(h, &self.manifest)?)
+        let entries = decode_manifest(h, &self.manifest);
+        // A connection keeps what a usual manifest needs, not the largest it was ever sent.
+        if self.manifest.capacity() > MANIFEST_KEPT {
+            self.manifest = Vec::new();
+        }
+        Ok(entries?)
     }
 
     fn check(&self, entries: &[crate::frame::Entry], writes: bool) -> Result<Checked> {
@@ -159,7 +179,7 @@ impl ServerConn {
                 }
                 _ => {
                     let lease = self
-                        .inner
+                        .target
                         .regions
                         .lease_checked(e.region, e.key, Side::Remote)?;
                     let r = lease.region().clone();
@@ -170,7 +190,7 @@ impl ServerConn {
             // A device pointer is no host address: a socket never reads or writes through it;
             // its bytes go through the staging ring, or nowhere when staging is off.
             if let Some(d) = device_of(region.location()) {
-                if self.inner.config.staging_bytes == 0 {
+                if self.target.config.staging_bytes == 0 {
                     return Err(Error::StagingNotConfigured {
                         op: i,
                         region: region.id(),
@@ -200,7 +220,7 @@ impl ServerConn {
     /// The staging ring, made on first use (`NoCudaDriver` and friends when it cannot be).
     fn ring(&mut self, device: u32) -> Result<&mut Staging> {
         if self.staging.is_none() {
-            self.staging = Some(Staging::new(self.inner.config.staging_bytes, device)?);
+            self.staging = Some(Staging::new(self.target.config.staging_bytes, device)?);
         }
         Ok(self.staging.as_mut().expect("just made"))
     }

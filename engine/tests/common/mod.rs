@@ -5,8 +5,11 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvfabric_engine::frame::{FLAG_ERROR, FrameKind, HEADER_LEN, Header, Hello, PROTOCOL_VERSION};
-use kvfabric_engine::{Engine, EngineConfig, Region, RemoteError, SegmentDescriptor};
+use kvfabric_engine::auth;
+use kvfabric_engine::frame::{
+    Challenge, FLAG_ERROR, FrameKind, HEADER_LEN, Header, Hello, PROTOCOL_VERSION,
+};
+use kvfabric_engine::{DataSecret, Engine, EngineConfig, Region, RemoteError, SegmentDescriptor};
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 use tokio::sync::watch;
@@ -80,36 +83,69 @@ pub fn bytes(r: &Region) -> Vec<u8> {
 }
 
 /// A raw data connection that has completed the handshake, for speaking the wire by hand.
-pub fn raw_connect(d: &SegmentDescriptor) -> TcpStream {
+pub fn raw_connect(d: &SegmentDescriptor, secret: &DataSecret) -> TcpStream {
     let mut s = TcpStream::connect(d.endpoints.tcp.unwrap()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let reply = raw_hello(&mut s, PROTOCOL_VERSION, &d.name, None);
+    let reply = raw_hello(&mut s, secret, PROTOCOL_VERSION, &d.name, None);
     assert_eq!(reply.0.kind, FrameKind::Welcome);
     assert!(!reply.0.has(FLAG_ERROR), "handshake refused: {:?}", reply.1);
     s
 }
 
-pub fn raw_hello(
-    s: &mut TcpStream,
+/// Reads the target's challenge.
+pub fn read_challenge<S: Read>(s: &mut S) -> Challenge {
+    let (h, body) = read_frame(s);
+    assert_eq!(h.kind, FrameKind::Challenge, "{body:?}");
+    serde_json::from_slice(&body).unwrap()
+}
+
+/// The Hello that answers `challenge` with `secret`'s proof (and `key`'s), as `from`.
+pub fn hello_for(
+    challenge: &Challenge,
+    secret: &DataSecret,
+    protocol: u32,
+    segment: &str,
+    key: Option<u64>,
+) -> Hello {
+    let nonce = auth::nonce();
+    let from = "raw-test";
+    let x = auth::Exchange {
+        target: &challenge.nonce,
+        initiator: &nonce,
+        from,
+    };
+    Hello {
+        protocol,
+        segment: segment.into(),
+        from: from.into(),
+        nonce,
+        proof: x.initiator_proof(secret),
+        key_proof: key.map(|k| x.key_proof(secret, k)),
+    }
+}
+
+pub fn send_frame<S: Write>(s: &mut S, kind: FrameKind, body: &[u8]) {
+    s.write_all(&Header::new(kind, 0, 0, body.len() as u64).encode())
+        .unwrap();
+    s.write_all(body).unwrap();
+}
+
+/// Answers the challenge with `secret`'s proof and returns the target's reply.
+pub fn raw_hello<S: Read + Write>(
+    s: &mut S,
+    secret: &DataSecret,
     protocol: u32,
     segment: &str,
     key: Option<u64>,
 ) -> (Header, Vec<u8>) {
-    let hello = Hello {
-        protocol,
-        segment: segment.into(),
-        key,
-        from: "raw-test".into(),
-    };
-    let body = serde_json::to_vec(&hello).unwrap();
-    s.write_all(&Header::new(FrameKind::Hello, 0, 0, body.len() as u64).encode())
-        .unwrap();
-    s.write_all(&body).unwrap();
+    let challenge = read_challenge(s);
+    let hello = hello_for(&challenge, secret, protocol, segment, key);
+    send_frame(s, FrameKind::Hello, &serde_json::to_vec(&hello).unwrap());
     read_frame(s)
 }
 
 /// Reads one control-style frame (header plus `len` body bytes).
-pub fn read_frame(s: &mut TcpStream) -> (Header, Vec<u8>) {
+pub fn read_frame<S: Read>(s: &mut S) -> (Header, Vec<u8>) {
     let mut h = [0u8; HEADER_LEN];
     s.read_exact(&mut h).unwrap();
     let h = Header::decode(&h).unwrap();

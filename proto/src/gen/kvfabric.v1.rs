@@ -234,6 +234,9 @@ pub struct HandshakeResponse {
     /// The serving agent's engine segment descriptor (JSON, kvfabric-engine SegmentDescriptor).
     #[prost(string, tag = "2")]
     pub descriptor: ::prost::alloc::string::String,
+    /// The serving engine's data secret (32 bytes): data connections to it prove they hold it.
+    #[prost(bytes = "vec", tag = "3")]
+    pub data_secret: ::prost::alloc::vec::Vec<u8>,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -1,0 +1,191 @@
+//! What the cargo-fuzz targets drive (cargo feature `fuzzing`, never in a release build): the
+//! batch planner of [`Peer`] without a connection, against real local regions and a remote
+//! descriptor whose lengths the caller picks (a peer's descriptor may claim anything).
+
+use std::sync::{Arc, RwLock};
+
+use crate::batch::{Batch, Job};
+use crate::engine::{Engine, EngineConfig, Known, Peer};
+use crate::error::{Error, Result};
+use crate::frame::Entry;
+use crate::region::{AccessKey, Location, Region, RegionId};
+use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor};
+use crate::transport::select::Selection;
+use crate::transport::{Piece, Transport, TransportKind, TransportStats};
+
+/// A link that carries nothing: planning stops before a transport is involved.
+#[derive(Debug)]
+struct Unconnected(TransportKind);
+
+impl Transport for Unconnected {
+    fn kind(&self) -> TransportKind {
+        self.0
+    }
+    fn submit(&self, _pieces: Vec<Piece>, job: Arc<Job>) {
+        job.expect_pieces(1);
+        job.piece_failed(Error::ShuttingDown);
+    }
+    fn stats(&self) -> TransportStats {
+        TransportStats::default()
+    }
+}
+
+/// One planned piece, as plain numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Planned {
+    pub local_region: RegionId,
+    pub local_offset: u64,
+    pub remote: Entry,
+    /// The caller's op the piece starts at.
+    pub op: usize,
+}
+
+/// Local regions of the given lengths and a peer whose descriptor claims the given lengths.
+#[derive(Debug)]
+pub struct Planner {
+    _engine: Engine,
+    locals: Vec<Arc<Region>>,
+    peers: Vec<Peer>,
+}
+
+impl Planner {
+    /// Remote region `i` gets id `i + 1`; one peer per transport kind in `kinds`.
+    pub fn new(local_lens: &[u64], remote_lens: &[u64], kinds: &[TransportKind]) -> Result<Self> {
+        let engine = Engine::new(EngineConfig {
+            name: "fuzz".into(),
+            shm_threads: 1,
+            ..EngineConfig::default()
+        })?;
+        let locals = local_lens
+            .iter()
+            .map(|&len| engine.alloc(len))
+            .collect::<Result<Vec<_>>>()?;
+        let descriptor = SegmentDescriptor {
+            version: DESCRIPTOR_VERSION,
+            name: "fuzz-peer".into(),
+            node: "elsewhere".into(),
+            regions: remote_lens
+                .iter()
+                .enumerate()
+                .map(|(i, &len)| RegionDesc {
+                    id: RegionId(i as u64 + 1),
+                    len,
+                    location: Location::Host { numa: None },
+                    key: AccessKey(7),
+                    shareable: true,
+                    ipc: None,
+                    rdma: Vec::new(),
+                })
+                .collect(),
+            endpoints: Endpoints::default(),
+        };
+        let peers = kinds
+            .iter()
+            .map(|&kind| Peer {
+                inner: engine.inner.clone(),
+                known: RwLock::new(Known::new(descriptor.clone())),
+                selection: Selection {
+                    kind,
+                    reason: "fuzzing".into(),
+                },
+                link: Box::new(Unconnected(kind)),
+            })
+            .collect();
+        Ok(Planner {
+            _engine: engine,
+            locals,
+            peers,
+        })
+    }
+
+    /// The ids of the local regions, in the order their lengths were given.
+    pub fn local_ids(&self) -> Vec<RegionId> {
+        self.locals.iter().map(|r| r.id()).collect()
+    }
+
+    /// Plans `batch` on peer `peer` (the index into `kinds`) and returns its pieces, each
+    /// checked against the region it names.
+    pub fn plan(&self, peer: usize, batch: Batch) -> Result<Vec<Planned>> {
+        let (pieces, _handle) = self.peers[peer].plan(batch)?;
+        Ok(pieces
+            .iter()
+            .map(|p| {
+                let region = self
+                    .locals
+                    .iter()
+                    .find(|r| r.id() == p.local_region)
+                    .expect("a piece names a local region");
+                let base = region.range(0, "base", 0, 0).expect("empty range").ptr;
+                assert_eq!(
+                    p.local.ptr as usize - base as usize,
+                    p.local_offset as usize,
+                    "piece pointer and offset disagree"
+                );
+                assert_eq!(p.local.len as u64, p.remote.len);
+                Planned {
+                    local_region: p.local_region,
+                    local_offset: p.local_offset,
+                    remote: p.remote,
+                    op: p.op,
+                }
+            })
+            .collect())
+    }
+}
+
+/// An in-memory stream: reads come from `input`, writes are kept.
+#[derive(Debug)]
+struct Scripted<'a> {
+    input: &'a [u8],
+    output: Vec<u8>,
+}
+
+impl std::io::Read for Scripted<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        std::io::Read::read(&mut self.input, buf)
+    }
+}
+
+impl std::io::Write for Scripted<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.output.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs the target side of the handshake against `input` (what a caller sends) with a fresh
+/// secret, as the tcp and shm servers do. Returns whether the caller was admitted and what the
+/// target wrote back.
+pub fn serve_handshake(input: &[u8], segment_key: Option<u64>) -> (bool, Vec<u8>) {
+    let secret = crate::auth::DataSecret::random();
+    let gate = crate::handshake::Gate {
+        secret: &secret,
+        name: "fuzz-target",
+        segment_key,
+        idle_timeout: std::time::Duration::from_secs(1),
+        handshake_timeout: std::time::Duration::from_secs(1),
+        auth_log: &crate::throttle::Throttle::new(std::time::Duration::from_secs(1)),
+    };
+    let mut s = Scripted {
+        input,
+        output: Vec::new(),
+    };
+    let descriptor = || {
+        Some(SegmentDescriptor {
+            version: DESCRIPTOR_VERSION,
+            name: "fuzz-target".into(),
+            node: "fuzz-node".into(),
+            regions: Vec::new(),
+            endpoints: Endpoints::default(),
+        })
+    };
+    let outcome = crate::handshake::server(&mut s, "fuzz", gate, || {}, descriptor);
+    if matches!(outcome, Err(crate::handshake::Refused::Unauthenticated(_))) {
+        crate::handshake::refuse_stranger(&mut s);
+    }
+    let admitted = outcome.is_ok();
+    (admitted, s.output)
+}
