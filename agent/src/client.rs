@@ -218,6 +218,7 @@ impl Client {
                         ipc_handle: c.ipc_handle.clone(),
                         offset: c.offset,
                         len: c.len,
+                        device_uuid: String::new(),
                     }),
                 }),
             });

@@ -271,6 +271,7 @@ mod tests {
                 name: "NVIDIA H200".into(),
                 pci_bus_id: "00000000:3B:00.0".into(),
                 memory_bytes: 150_000_000_000,
+                uuid: "GPU-00000000-0000-0000-0000-000000000001".into(),
             }]),
             addresses: Ok(vec![
                 addr("lo", "127.0.0.1"),
