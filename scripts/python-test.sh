@@ -21,6 +21,8 @@ wheel=$(ls -t target/wheels/kvfabric-*.whl | head -n 1)
 PYO3_PYTHON=$py cargo test -p kvfabric-python --lib
 
 export KVFABRIC_BIN=$PWD/target/release/kvfabric
+# From the repository root, so the installed package (with its compiled module) is the one
+# imported, not python/kvfabric/ beside it.
 # shellcheck disable=SC2086
-(cd python && "$py" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-})
+"$venv/bin/pytest" -q -p no:cacheprovider ${PYTEST_ARGS:-python/tests}
 echo "python-test.sh: $((SECONDS - start)) s"
