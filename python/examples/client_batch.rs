@@ -53,7 +53,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let deadline = Instant::now() + Duration::from_secs_f64(seconds);
         let start = Instant::now();
         let mut tasks = Vec::new();
-        for seg in segs.iter().cloned() {
+        for seg in segs.clone() {
             let (agent, ops, key) = (dst_agent.clone(), ops.clone(), p.key);
             tasks.push(tokio::spawn(async move {
                 let (mut n, mut bytes) = (0u64, 0u64);
