@@ -30,7 +30,11 @@ class VllmServer:
         socket_dir: str | None = None,
         extra_config: dict | None = None,
         prefix_caching: bool = True,
+        connector: tuple[str, str, dict] | None = None,
+        pythonpath: str | None = None,
     ) -> None:
+        """``kv_role`` set: with KVFabricConnector on the agent at ``socket_dir``, or with
+        ``connector`` (class name, module, extra config) instead."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -66,22 +70,20 @@ class VllmServer:
         if not prefix_caching:
             args.append("--no-enable-prefix-caching")
         if kv_role:
-            args += [
-                "--kv-transfer-config",
-                json.dumps(
-                    {
-                        "kv_connector": "KVFabricConnector",
-                        "kv_connector_module_path": "kvfabric.vllm",
-                        "kv_role": kv_role,
-                        "kv_load_failure_policy": "recompute",
-                        "engine_id": name,
-                        "kv_connector_extra_config": {
-                            "socket_dir": socket_dir,
-                            **(extra_config or {}),
-                        },
-                    }
-                ),
-            ]
+            cls, module, extra = connector or (
+                "KVFabricConnector",
+                "kvfabric.vllm",
+                {"socket_dir": socket_dir, **(extra_config or {})},
+            )
+            config = {
+                "kv_connector": cls,
+                "kv_connector_module_path": module,
+                "kv_role": kv_role,
+                "kv_load_failure_policy": "recompute",
+                "engine_id": name,
+                "kv_connector_extra_config": extra,
+            }
+            args += ["--kv-transfer-config", json.dumps(config)]
         env = dict(
             os.environ,
             VLLM_CPU_OMP_THREADS_BIND="nobind",
@@ -89,6 +91,8 @@ class VllmServer:
             OMP_NUM_THREADS="1",
             VLLM_LOGGING_LEVEL="INFO",
         )
+        if pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             args,
             stdout=open(self.log_path, "w"),  # noqa: SIM115

@@ -222,12 +222,13 @@ class Worker:
         ms = (time.perf_counter() - t0) * 1e3
         if ok and load.local_block_ids:
             log.info(
-                "kvfabric: pulled %s: %d blocks, %d B from %s in %.2f ms",
+                "kvfabric: pulled %s: %d blocks, %d B from %s in %.2f ms (done at %.6f)",
                 req_id,
                 len(load.local_block_ids),
                 nbytes,
                 peer["kv"],
                 ms,
+                time.time(),
             )
         with self.lock:
             if load.local_block_ids:
