@@ -22,8 +22,6 @@ from fabric import Agent, Etcd  # noqa: E402
 from tiny_llama import write  # noqa: E402
 from vllm_server import BLOCK_SIZE, VllmServer, cached_tokens, prefill, tokens  # noqa: E402
 
-import kvfabric  # noqa: E402
-
 pytestmark = pytest.mark.vllm
 
 # Shorter than a block, several whole blocks, several blocks and a part.
@@ -77,6 +75,11 @@ def pd(tmp_path_factory):
 HITS = "vllm:external_prefix_cache_hits_total"
 
 
+def pulled(pd, out: dict) -> bool:
+    """Whether the decode worker logged a completed pull for this response's request."""
+    return f"kvfabric: pulled {out['id']}-" in pd["decode"].log()
+
+
 def disaggregated(pd, p: list[int], source: str = "prefill") -> tuple[dict, dict, float]:
     """Prefill there, decode here; also how many prompt tokens the decode instance took from
     the connector (vLLM's external prefix-cache hits)."""
@@ -96,8 +99,9 @@ def test_decode_outputs_equal_a_single_instance_token_for_token(pd):
         assert params["do_remote_prefill"] and params["kvfabric"]["workers"][0]["kv"]
         assert len(params["remote_block_ids"][0]) == -(-n // BLOCK_SIZE)
         assert tokens(out) == tokens(base), (n, tokens(out), tokens(base))
-        # The decode instance took the prompt's KV from the prefill instance: vLLM counts
-        # the prompt's tokens as hits from the connector.
+        # The decode instance took the prompt's KV from the prefill instance: the pull
+        # completed, and vLLM counts the prompt's tokens as hits from the connector.
+        assert pulled(pd, out), n
         assert hits >= n - 1, (n, hits)
 
 
@@ -108,7 +112,7 @@ def test_the_decode_side_computes_on_the_transferred_kv(pd):
         p = prompt(n, 100 + i)
         base = pd["decode"].complete(p, NEW_TOKENS)
         _, out, hits = disaggregated(pd, p, source="control")
-        assert hits >= n - 1
+        assert pulled(pd, out) and hits >= n - 1
         changed += tokens(out) != tokens(base)
     assert changed == len(LENGTHS), changed
 
@@ -121,6 +125,7 @@ def test_a_failed_pull_is_recomputed_by_vllm(pd):
     worker["kv_key"] = f"{int(worker['kv_key'], 16) ^ 1:016x}"  # a key the owner never gave
     out = pd["decode"].complete(p, NEW_TOKENS, params)
     assert tokens(out) == tokens(base)
+    assert not pulled(pd, out)
     assert "failed, vLLM recomputes" in pd["decode"].log()
     assert "PERMISSION_DENIED" in pd["decode"].log()
 
@@ -145,20 +150,25 @@ def test_blocks_nobody_pulls_are_freed_when_the_lease_ends(pd):
 
 def test_requests_work_again_after_the_agent_restarts(pd):
     agent = pd["agents"]["p"]
+    registered = "kvfabric: registered prefill.tp0 "
+    before = pd["prefill"].log().count(registered)
     agent.restart()
-    # The prefill workers see their segments gone and register them again.
-    watcher = kvfabric.Client(pd["agents"]["d"].socket_dir)
+    # The prefill workers find their segments gone and register them again, once the registry
+    # entries of the agent's previous run have expired with its lease.
     deadline = time.monotonic() + 30
-    while True:
-        names = {s["name"] for s in watcher.status()["segments"]}
-        if "prefill.tp0" in names and "prefill.tp0.acks" in names:
-            break
-        assert time.monotonic() < deadline, names
+    while pd["prefill"].log().count(registered) == before:
+        assert time.monotonic() < deadline, "the prefill workers did not register again"
         time.sleep(0.2)
-    p = prompt(LENGTHS[1], 9)
-    base = pd["decode"].complete(p, NEW_TOKENS)
-    _, out, hits = disaggregated(pd, p)
-    assert tokens(out) == tokens(base)
+    # The decode agent's data connection to the restarted one is stale: the first batch over
+    # it fails (and is recomputed) and drops it; the next dials again.
+    for attempt in range(3):
+        p = prompt(LENGTHS[1], 9 + attempt)
+        base = pd["decode"].complete(p, NEW_TOKENS)
+        _, out, hits = disaggregated(pd, p)
+        assert tokens(out) == tokens(base)
+        if pulled(pd, out):
+            break
+    assert pulled(pd, out), "no pull succeeded after the agent restarted"
     assert hits >= len(p) - 1
 
 
@@ -170,12 +180,8 @@ def test_a_prefill_killed_before_the_pull_does_not_hang_the_decode(pd):
     t0 = time.monotonic()
     out = pd["decode"].complete(p, NEW_TOKENS, params, timeout=60)
     assert time.monotonic() - t0 < 30
+    # Pulled from the memory the agent still maps, or recomputed: the same tokens either way.
     assert tokens(out) == tokens(base)
-
-
-def test_every_pull_is_logged_with_its_size_and_time(pd):
-    pulls = [line for line in pd["decode"].log().splitlines() if "kvfabric: pulled" in line]
-    assert len(pulls) >= 2 * len(LENGTHS) + 1, pulls
 
 
 def test_connector_stats_reach_vllms_metrics_logger(pd):

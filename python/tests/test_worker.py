@@ -12,10 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
 
-from kvfabric.vllm.connector import Settings  # noqa: E402
 from kvfabric.vllm.metadata import Hold, KVFabricMetadata, Load  # noqa: E402
+from kvfabric.vllm.settings import Settings  # noqa: E402
 from kvfabric.vllm.worker import Worker  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 64, 32, 2, 32

@@ -16,9 +16,6 @@ engine id), ``advertise_host`` (echoed as ``remote_host`` for routers that expec
 
 from __future__ import annotations
 
-import os
-import socket
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -29,6 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .metadata import KVFabricMetadata, WorkerSegments
 from .scheduler import Scheduler
+from .settings import Settings
 from .stats import KVFabricStats
 from .worker import Worker
 
@@ -36,43 +34,6 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-
-@dataclass(frozen=True)
-class Settings:
-    socket_dir: str
-    lease_s: float = 30.0
-    load_timeout_s: float = 10.0
-    ack_timeout_s: float = 2.0
-    call_timeout_s: float = 30.0
-    check_interval_s: float = 1.0
-    max_held_requests: int = 1024
-    segment_prefix: str | None = None
-    advertise_host: str = ""
-
-    @classmethod
-    def of(cls, extra: dict[str, Any]) -> Settings:
-        def num(key: str, default: float) -> float:
-            v = float(extra.get(key, default))
-            if not v > 0:
-                raise ValueError(f"kv_connector_extra_config.{key}: {v!r} must be > 0")
-            return v
-
-        return cls(
-            socket_dir=str(
-                extra.get("socket_dir")
-                or os.environ.get("KVFABRIC_SOCKET_DIR")
-                or "/var/run/kvfabric"
-            ),
-            lease_s=num("lease_s", 30.0),
-            load_timeout_s=num("load_timeout_s", 10.0),
-            ack_timeout_s=num("ack_timeout_s", 2.0),
-            call_timeout_s=num("call_timeout_s", 30.0),
-            check_interval_s=num("check_interval_s", 1.0),
-            max_held_requests=int(num("max_held_requests", 1024)),
-            segment_prefix=extra.get("segment_prefix"),
-            advertise_host=str(extra.get("advertise_host") or socket.gethostname()),
-        )
 
 
 class KVFabricConnector(KVConnectorBase_V1):

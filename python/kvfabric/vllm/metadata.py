@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-)
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+    )
+except ImportError:
+    # The worker side can be driven without vLLM (its GPU test runs where vLLM is not
+    # installed); the connector itself needs vLLM.
+    KVConnectorHandshakeMetadata = KVConnectorMetadata = object  # type: ignore[assignment,misc]
 
 
 @dataclass

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # driven without vLLM, as metadata.py says
+
+    @dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        data: dict[str, Any] = field(default_factory=dict)
+
 
 _COUNTS = ("loads", "load_failures", "acked", "lease_expired", "bytes")
 

@@ -76,9 +76,12 @@ class Worker:
         self.acks: Any = None
         # Mailbox: the first half is written by decode workers (acknowledgements for our holds);
         # the second half is where our own acknowledgements are staged before we send them.
-        self.mailbox = kvfabric.host_array(2 * settings.max_held_requests * _WORD)
+        # Two scratch words at the end: the keeper's probe copies one onto the other.
+        self.mailbox = kvfabric.host_array((2 * settings.max_held_requests + 2) * _WORD)
         self.inbox = self.mailbox[: settings.max_held_requests * _WORD].view(np.uint64)
-        self.outbox = self.mailbox[settings.max_held_requests * _WORD :].view(np.uint64)
+        self.outbox = self.mailbox[
+            settings.max_held_requests * _WORD : 2 * settings.max_held_requests * _WORD
+        ].view(np.uint64)
         self.next_out = 0
         self.lock = threading.Lock()
         self.holds: dict[str, tuple[Hold, float]] = {}
@@ -131,10 +134,12 @@ class Worker:
         self._register()
         self.keeper.start()
 
-    def _register(self, present: set[str] = frozenset()) -> None:
-        if self.kv_name not in present:
+    def _register(self) -> None:
+        """Registers whichever of the two segments this agent lacks; ALREADY_EXISTS while the
+        registry still holds a previous agent's entry for it (until that agent's lease ends)."""
+        if self.kv is None:
             self.kv = self.client.register(self.kv_name, self.regions, key=self.kv_key)
-        if self.acks_name not in present:
+        if self.acks is None:
             self.acks = self.client.register(self.acks_name, [self.mailbox], key=self.acks_key)
         log.info(
             "kvfabric: registered %s (%d regions, %d planes) and %s",
@@ -144,21 +149,41 @@ class Worker:
             self.acks_name,
         )
 
+    def _registered(self) -> bool:
+        """Whether the agent still has our segments: an 8-byte copy within the mailbox, which
+        only the agent that registered it can do (a registry entry left by a restarted agent
+        of the same name does not count). UNAVAILABLE: the agent is down, nothing to do yet."""
+        scratch = 2 * len(self.inbox) * _WORD
+        try:
+            self.client.read(
+                self.acks,
+                self.acks_name,
+                self.acks_key,
+                [0],
+                [scratch],
+                [0],
+                [scratch + _WORD],
+                [_WORD],
+                timeout=self.settings.ack_timeout_s,
+            )
+            return True
+        except KvfabricError as e:
+            return getattr(e, "code", "") in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
     def _keep_registered(self) -> None:
         """An agent restarted forgets our segments: register them again (same names, same
         keys, so params already handed out stay valid)."""
         while not self.stop.wait(self.settings.check_interval_s):
-            try:
-                status = self.client.status()
-            except KvfabricError:
+            if self._registered():
                 continue
-            mine = {s["name"] for s in status.get("segments", []) if s.get("local")}
-            if self.kv_name in mine and self.acks_name in mine:
-                continue
-            try:
-                self._register(mine)
-            except KvfabricError as e:
-                log.warning("kvfabric: re-registering after an agent restart failed: %s", e)
+            self.kv = self.acks = None
+            while not self.stop.is_set():
+                try:
+                    self._register()
+                    break
+                except KvfabricError as e:
+                    log.info("kvfabric: re-registering after an agent restart: %s", e)
+                    self.stop.wait(self.settings.check_interval_s)
 
     def handshake(self) -> WorkerSegments:
         return WorkerSegments(
@@ -209,7 +234,7 @@ class Worker:
                     nbytes = done.bytes
                     span.set("kvfabric.bytes", nbytes)
                     span.set("kvfabric.transport", done.transport)
-                except KvfabricError as e:
+                except Exception as e:  # noqa: BLE001 - any failure: vLLM recomputes
                     ok = False
                     span.set("error", str(e))
                     log.warning(
@@ -218,24 +243,27 @@ class Worker:
                         peer["kv"],
                         e,
                     )
+            ms = (time.perf_counter() - t0) * 1e3
+            loaded_at = time.time()
+            # Done (and its failed blocks known) before the acknowledgement goes out, so vLLM
+            # schedules the request without waiting on it.
+            with self.lock:
+                if load.local_block_ids:
+                    self.stats.record_load(nbytes, ms, ok)
+                if not ok:
+                    self.failed_blocks.update(load.local_block_ids)
+                self.done_loads.add(req_id)
+            if ok and load.local_block_ids:
+                log.info(
+                    "kvfabric: pulled %s: %d blocks, %d B from %s in %.2f ms (done at %.6f)",
+                    req_id,
+                    len(load.local_block_ids),
+                    nbytes,
+                    peer["kv"],
+                    ms,
+                    loaded_at,
+                )
             await self._acknowledge(peer, load)
-        ms = (time.perf_counter() - t0) * 1e3
-        if ok and load.local_block_ids:
-            log.info(
-                "kvfabric: pulled %s: %d blocks, %d B from %s in %.2f ms (done at %.6f)",
-                req_id,
-                len(load.local_block_ids),
-                nbytes,
-                peer["kv"],
-                ms,
-                time.time(),
-            )
-        with self.lock:
-            if load.local_block_ids:
-                self.stats.record_load(nbytes, ms, ok)
-            if not ok:
-                self.failed_blocks.update(load.local_block_ids)
-            self.done_loads.add(req_id)
 
     async def _acknowledge(self, peer: dict, load: Load) -> None:
         """Tells the prefill worker it may free the request's blocks: our nonce into its slot."""
@@ -256,7 +284,7 @@ class Worker:
                 [_WORD],
                 timeout=self.settings.ack_timeout_s,
             )
-        except KvfabricError as e:
+        except Exception as e:  # noqa: BLE001 - the lease frees the blocks anyway
             log.info(
                 "kvfabric: acknowledging to %s failed (its lease frees the blocks): %s",
                 peer["acks"],
