@@ -180,7 +180,11 @@ def main() -> None:
             f"{name:16} {statistics.median(x[0] for x in r):10.1f} {med[name]:8.3f}   "
             + ", ".join(f"{x[1]:.3f}" for x in r)
         )
-    print(f"python / rust: {med['python binding'] / med['rust client']:.1%}")
+    pairs = [p[1] / r[1] for p, r in zip(rows["python binding"], rows["rust client"], strict=True)]
+    print(
+        f"python / rust: {med['python binding'] / med['rust client']:.1%} of the medians; "
+        f"{statistics.median(pairs):.1%} the median of adjacent rounds' ratios"
+    )
 
 
 if __name__ == "__main__":
