@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 from .metadata import Hold, KVFabricMetadata, Load, WorkerSegments
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvfabric")
+
+# A pull must start this long before the lease ends (clock skew between nodes, the pull itself).
+EXPIRY_MARGIN_S = 1.0
 
 
 class Scheduler:
@@ -56,6 +60,14 @@ class Scheduler:
             log.warning(
                 "kvfabric: remote engine %s has another KV layout or TP size; recomputing",
                 params.get("remote_engine_id"),
+            )
+            return None
+        if time.time() > float(fab.get("expires_at", 0)) - EXPIRY_MARGIN_S:
+            # The prefill frees the blocks when its lease ends; reading them later could read
+            # another request's KV.
+            log.warning(
+                "kvfabric: the lease on request %s's blocks has ended; recomputing",
+                params.get("remote_request_id"),
             )
             return None
         return fab
@@ -184,5 +196,7 @@ class Scheduler:
                 "nonce": f"{nonce:016x}",
                 "layout": self._layout(),
                 "lease_s": self.settings.lease_s,
+                # Wall clock: the decode side, another machine, stops trusting the blocks then.
+                "expires_at": time.time() + self.settings.lease_s,
             },
         }
