@@ -267,22 +267,41 @@ impl SegmentEvent {
 #[derive(Debug)]
 pub struct Watch {
     stream: Arc<tokio::sync::Mutex<Option<EventStream>>>,
+    /// `close` sets it, so a thread waiting for the next event returns at once.
+    closed: tokio::sync::watch::Sender<bool>,
 }
 
 async fn next_event(
     stream: Arc<tokio::sync::Mutex<Option<EventStream>>>,
+    mut closed: tokio::sync::watch::Receiver<bool>,
     timeout: Option<Duration>,
 ) -> Result<Option<SegmentEvent>> {
-    let mut guard = stream.lock().await;
+    let ended = async move {
+        let _ = closed.wait_for(|c| *c).await;
+    };
+    tokio::pin!(ended);
+    let mut guard = tokio::select! {
+        g = stream.lock() => g,
+        () = &mut ended => return Ok(None),
+    };
     let Some(s) = guard.as_mut() else {
         return Ok(None);
     };
-    let message = match timeout {
-        Some(t) => match tokio::time::timeout(t, s.message()).await {
-            Ok(m) => m,
-            Err(_) => return Ok(None),
+    let next = async {
+        match timeout {
+            Some(t) => tokio::time::timeout(t, s.message()).await.ok(),
+            None => Some(s.message().await),
+        }
+    };
+    let message = tokio::select! {
+        m = next => match m {
+            Some(m) => m,
+            None => return Ok(None),
         },
-        None => s.message().await,
+        () = &mut ended => {
+            *guard = None;
+            return Ok(None);
+        }
     };
     match message {
         Ok(Some(ev)) => Ok(Some(SegmentEvent {
@@ -312,14 +331,20 @@ impl Watch {
     }
 
     fn __next__(&self, py: Python<'_>) -> Result<Option<SegmentEvent>> {
-        wait(py, next_event(self.stream.clone(), None))
+        wait(
+            py,
+            next_event(self.stream.clone(), self.closed.subscribe(), None),
+        )
     }
 
     /// The next event, or None when `timeout` seconds pass first (or the watch was closed).
     #[pyo3(signature = (timeout=None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> Result<Option<SegmentEvent>> {
         let t = seconds("timeout", timeout)?;
-        wait(py, next_event(self.stream.clone(), t))
+        wait(
+            py,
+            next_event(self.stream.clone(), self.closed.subscribe(), t),
+        )
     }
 
     fn __aiter__(slf: Py<Self>) -> Py<Self> {
@@ -327,17 +352,18 @@ impl Watch {
     }
 
     fn __anext__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let stream = self.stream.clone();
+        let (stream, closed) = (self.stream.clone(), self.closed.subscribe());
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            match next_event(stream, None).await? {
+            match next_event(stream, closed, None).await? {
                 Some(ev) => Ok(ev),
                 None => Err(pyo3::exceptions::PyStopAsyncIteration::new_err(())),
             }
         })
     }
 
-    /// Ends the watch; iteration stops.
+    /// Ends the watch: iteration stops, also in threads waiting for the next event.
     fn close(&self, py: Python<'_>) {
+        self.closed.send_replace(true);
         py.detach(|| runtime().block_on(async { self.stream.lock().await.take() }));
     }
 }
@@ -556,6 +582,7 @@ impl Client {
         )?;
         Ok(Watch {
             stream: Arc::new(tokio::sync::Mutex::new(Some(stream))),
+            closed: tokio::sync::watch::channel(false).0,
         })
     }
 }

@@ -300,3 +300,18 @@ def test_the_active_opentelemetry_span_is_the_agents_parent(tmp_path):
     finally:
         a.kill()
         receiver.stop()
+
+
+def test_close_ends_a_watch_another_thread_waits_on(agent):
+    client = kvfabric.Client(agent.socket_dir)
+    watch = client.watch()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(list(watch)))  # blocks: no events come
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    watch.close()
+    t.join(5)
+    assert not t.is_alive() and got == [[]]
+    assert time.monotonic() - t0 < 5
+    assert watch.next(timeout=0.1) is None
