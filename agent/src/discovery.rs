@@ -214,7 +214,6 @@ mod tests {
                 uuid: "GPU-00112233-4455-6677-8899-aabbccddeeff".into(),
                 pci_bus_id: "00000000:3B:00.0".into(),
                 memory_bytes: 150_000_000_000,
-                uuid: "GPU-00000000-0000-0000-0000-000000000001".into(),
             }]),
             addresses: Ok(vec![
                 addr("lo", "127.0.0.1"),

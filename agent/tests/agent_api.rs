@@ -333,7 +333,6 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
                 ipc_handle: vec![1, 2, 3],
                 offset: 0,
                 len: 4096,
-                device_uuid: String::new(),
             })),
         }],
         key: 0,
