@@ -16,7 +16,7 @@ use futures::Stream;
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tonic::transport::server::Connected;
 use tracing::warn;
 
@@ -90,6 +90,29 @@ pub struct Capped<T> {
     io: T,
     _slot: OwnedSemaphorePermit,
     first_byte: Option<Pin<Box<tokio::time::Sleep>>>,
+    closed: watch::Sender<bool>,
+}
+
+impl<T> Drop for Capped<T> {
+    fn drop(&mut self) {
+        let _ = self.closed.send(true);
+    }
+}
+
+/// Which connection a request came on, for what must not outlive it (segments a worker
+/// registered are released when its connection closes — when the worker dies).
+#[derive(Debug, Clone)]
+pub struct Connection<I> {
+    /// What the transport knows of the peer (its credentials on a Unix socket).
+    pub info: I,
+    closed: watch::Receiver<bool>,
+}
+
+impl<I> Connection<I> {
+    /// Resolves once the connection has closed.
+    pub async fn closed(mut self) {
+        let _ = self.closed.wait_for(|c| *c).await;
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Capped<T> {
@@ -144,9 +167,12 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Capped<T> {
 }
 
 impl<T: Connected> Connected for Capped<T> {
-    type ConnectInfo = T::ConnectInfo;
+    type ConnectInfo = Connection<T::ConnectInfo>;
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
+        Connection {
+            info: self.io.connect_info(),
+            closed: self.closed.subscribe(),
+        }
     }
 }
 
@@ -191,6 +217,7 @@ pub fn capped<L: Accept>(
                             io,
                             _slot: slot,
                             first_byte: Some(Box::pin(tokio::time::sleep(FIRST_BYTE_DEADLINE))),
+                            closed: watch::channel(false).0,
                         };
                         return Some((Ok(conn), (listener, slots, backoff, refused)));
                     }

@@ -336,6 +336,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
             })),
         }],
         key: 0,
+        detached: false,
     };
     let s = grpc.register_segment(malformed).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
@@ -352,6 +353,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
             })),
         }],
         key: 0,
+        detached: false,
     };
     let s = grpc.register_segment(not_a_uuid).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
@@ -368,6 +370,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
             })),
         }],
         key: 0,
+        detached: false,
     };
     let s = grpc.register_segment(bogus_token).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");

@@ -29,6 +29,7 @@ fn agent(name: &str) -> AgentEntry {
         peer_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
         devices: Devices::default(),
         started_at: 1_700_000_000,
+        instance: 0,
     }
 }
 

@@ -184,6 +184,7 @@ impl Client {
                 name: name.into(),
                 regions: specs,
                 key: key.unwrap_or(0),
+                detached: false,
             })
             .await
             .map_err(|s| self.rpc_error("RegisterSegment", s))?
