@@ -10,75 +10,15 @@ use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::Stream;
+use kvfabric_rt::AcceptBackoff;
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tonic::transport::server::Connected;
-use tracing::warn;
-
-/// Errors that say "no resources now", after which accepting again later works.
-pub fn is_resource_exhaustion(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    )
-}
-
-/// How a failing accept loop waits and logs.
-#[derive(Debug)]
-pub struct AcceptBackoff {
-    what: &'static str,
-    delay: Duration,
-    last_log: Option<Instant>,
-    suppressed: u64,
-}
-
-impl AcceptBackoff {
-    const FIRST: Duration = Duration::from_millis(10);
-    const MAX: Duration = Duration::from_secs(1);
-    const LOG_EVERY: Duration = Duration::from_secs(1);
-
-    pub fn new(what: &'static str) -> Self {
-        AcceptBackoff {
-            what,
-            delay: Self::FIRST,
-            last_log: None,
-            suppressed: 0,
-        }
-    }
-
-    /// After a failed accept: how long to wait before the next one (logged, at most once per
-    /// second with the count of errors not logged meanwhile).
-    pub fn failed(&mut self, e: &io::Error) -> Duration {
-        if self.last_log.is_none_or(|t| t.elapsed() >= Self::LOG_EVERY) {
-            warn!(
-                socket = self.what,
-                error = %e,
-                suppressed = self.suppressed,
-                "accept failed; backing off"
-            );
-            self.last_log = Some(Instant::now());
-            self.suppressed = 0;
-        } else {
-            self.suppressed += 1;
-        }
-        let wait = if is_resource_exhaustion(e) {
-            self.delay
-        } else {
-            Self::FIRST
-        };
-        self.delay = (self.delay * 2).min(Self::MAX);
-        wait
-    }
-
-    pub fn succeeded(&mut self) {
-        self.delay = Self::FIRST;
-    }
-}
 
 /// How long a new connection may stay silent before it is closed.
 pub const FIRST_BYTE_DEADLINE: Duration = Duration::from_secs(10);
@@ -229,24 +169,4 @@ pub fn capped<L: Accept>(
             }
         },
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn resource_errors_back_off_exponentially_to_a_second() {
-        let mut b = AcceptBackoff::new("test");
-        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
-        let waits: Vec<Duration> = (0..10).map(|_| b.failed(&emfile)).collect();
-        assert_eq!(waits[0], Duration::from_millis(10));
-        assert_eq!(waits[1], Duration::from_millis(20));
-        assert_eq!(*waits.last().unwrap(), Duration::from_secs(1));
-        b.succeeded();
-        assert_eq!(b.failed(&emfile), Duration::from_millis(10));
-        // Other errors (a peer that reset before accept) retry soon.
-        let reset = io::Error::from_raw_os_error(libc::ECONNABORTED);
-        assert_eq!(b.failed(&reset), Duration::from_millis(10));
-    }
 }

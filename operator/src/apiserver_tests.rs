@@ -19,7 +19,6 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tower_test::mock;
 
-use crate::backoff::Backoff;
 use crate::config::AgentSettings;
 use crate::finalizer::{CleanupPolicy, EtcdAccess, EtcdTls, FINALIZER, RegistryCleaner};
 use crate::fixtures::{NS, UID, full};
@@ -27,6 +26,7 @@ use crate::meta::MANAGER;
 use crate::metrics::Metrics;
 use crate::reconcile::{Context, check_crd_installed, error_policy, reconcile, run_controller};
 use crate::{Error, Result};
+use kvfabric_rt::KeyedBackoff;
 
 /// One request as the fake API server saw it.
 #[derive(Debug, Clone)]
@@ -513,7 +513,7 @@ fn context(client: Client, cleaner: Arc<FakeCleaner>) -> Arc<Context> {
             timeout: Duration::from_millis(200),
             backoff: Duration::ZERO,
         },
-        backoff: Arc::new(Backoff::new(
+        backoff: Arc::new(KeyedBackoff::new(
             Duration::from_secs(5),
             Duration::from_secs(300),
         )),
