@@ -10,28 +10,70 @@ use crate::net::Host;
 /// The `kvfabric` binary of this workspace, rebuilt once per test process when stale (a lone
 /// `cargo test -p kvfabric-e2e` does not rebuild other packages' binaries).
 pub fn kvfabric_bin() -> PathBuf {
-    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BIN.get_or_init(|| {
+    binaries().join("kvfabric")
+}
+
+/// The `kvfabric-operator` binary of this workspace, built with [`kvfabric_bin`].
+pub fn operator_bin() -> PathBuf {
+    binaries().join("kvfabric-operator")
+}
+
+/// Builds both binaries in one cargo run, once per test process, and returns the directory
+/// that holds them. One run: built apart, their shared dependencies get different features
+/// each time, and each build undoes the other's (a minute of rebuilding per test binary).
+fn binaries() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
         let exe = std::env::current_exe().expect("test binary path");
-        // target/<profile>/deps/<test> → target/<profile>/kvfabric
+        // target/<profile>/deps/<test> → target/<profile>/
         let profile_dir = exe
             .parent()
             .and_then(Path::parent)
             .expect("target profile dir")
             .to_path_buf();
         let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-        cargo.args(["build", "-q", "-p", "kvfabric-cli", "--bin", "kvfabric"]);
+        cargo.args([
+            "build",
+            "-q",
+            "-p",
+            "kvfabric-cli",
+            "--bin",
+            "kvfabric",
+            "-p",
+            "kvfabric-operator",
+            "--bin",
+            "kvfabric-operator",
+        ]);
         if profile_dir.ends_with("release") {
             cargo.arg("--release");
         }
-        let bin = profile_dir.join("kvfabric");
+        // What cargo set for this test process describes the e2e package, not the build:
+        // build scripts that watch such variables (ring's watch CARGO_PKG_NAME) would rerun
+        // and rebuild everything above them on every test run.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            if [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_BIN_",
+                "CARGO_CRATE_",
+            ]
+            .iter()
+            .any(|p| name.starts_with(p))
+                || ["CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR"].contains(&name.as_ref())
+            {
+                cargo.env_remove(name.as_ref());
+            }
+        }
         // A failed build must fail the tests: an older binary left in target/ would test code
         // that is not this tree's.
-        let status = cargo
-            .status()
-            .expect("run cargo to build the kvfabric binary");
-        assert!(status.success(), "could not build {}", bin.display());
-        bin
+        let status = cargo.status().expect("run cargo to build the binaries");
+        assert!(
+            status.success(),
+            "could not build kvfabric and kvfabric-operator into {}",
+            profile_dir.display()
+        );
+        profile_dir
     })
     .clone()
 }

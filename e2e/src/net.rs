@@ -65,7 +65,10 @@ impl Network {
         match Network::namespaces(n) {
             Ok(net) => net,
             Err(reason) => {
-                skip(Why::Missing("network namespaces, ran on loopback"), &reason);
+                skip(
+                    Why::Missing("network namespaces"),
+                    format!("{reason}; every host is loopback, links cannot be cut"),
+                );
                 Network {
                     bridge: None,
                     gateway: IpAddr::V4(Ipv4Addr::LOCALHOST),
