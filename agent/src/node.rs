@@ -453,11 +453,8 @@ impl Node {
         let outcome = self.transfer_in_span(&t).await;
         match &outcome {
             Ok(done) => {
+                record_done(&span, done.bytes, done.coalesced_ops, done.elapsed);
                 let secs = done.elapsed.as_secs_f64();
-                span.record("kvfabric.bytes", done.bytes);
-                span.record("kvfabric.coalesced_ops", done.coalesced_ops);
-                span.record("kvfabric.duration_ms", secs * 1e3);
-                span.record("kvfabric.gbps", done.bytes as f64 / secs.max(1e-9) / 1e9);
                 let labels = LinkLabels {
                     transport: done.transport.to_string(),
                     peer: done.remote_agent.clone(),
@@ -472,8 +469,7 @@ impl Node {
                     .observe(secs);
             }
             Err(e) => {
-                span.record("error", e.to_string());
-                span.record("otel.status_code", "ERROR");
+                record_error(&span, e);
                 self.metrics.error(e.kind());
             }
         }
@@ -569,6 +565,7 @@ impl Node {
             kvfabric.duration_ms = field::Empty,
             kvfabric.gbps = field::Empty,
             error = field::Empty,
+            otel.status_code = field::Empty,
         );
         let outcome = async {
             let mut batch = Batch::new(t.opcode, ops)
@@ -582,16 +579,8 @@ impl Node {
             };
             let span = tracing::Span::current();
             match &done {
-                Ok(d) => {
-                    let secs = d.elapsed.as_secs_f64();
-                    span.record("kvfabric.coalesced_ops", d.coalesced_ops);
-                    span.record("kvfabric.bytes", d.bytes);
-                    span.record("kvfabric.duration_ms", secs * 1e3);
-                    span.record("kvfabric.gbps", d.bytes as f64 / secs.max(1e-9) / 1e9);
-                }
-                Err(e) => {
-                    span.record("error", e.to_string());
-                }
+                Ok(d) => record_done(&span, d.bytes, d.coalesced_ops, d.elapsed),
+                Err(e) => record_error(&span, e),
             }
             done
         }
@@ -952,4 +941,20 @@ pub fn check_segment_name(name: &str) -> Result<()> {
             "1..=253 characters of [A-Za-z0-9-_.:]",
         ))
     }
+}
+
+/// What a finished batch leaves on a span: the submit span and the transport span carry the
+/// same fields, so a trace reads the same at both levels.
+fn record_done(span: &tracing::Span, bytes: u64, coalesced_ops: usize, elapsed: Duration) {
+    let secs = elapsed.as_secs_f64();
+    span.record("kvfabric.bytes", bytes);
+    span.record("kvfabric.coalesced_ops", coalesced_ops);
+    span.record("kvfabric.duration_ms", secs * 1e3);
+    span.record("kvfabric.gbps", bytes as f64 / secs.max(1e-9) / 1e9);
+}
+
+/// A failed batch: its error, and the status the OpenTelemetry bridge exports as ERROR.
+fn record_error(span: &tracing::Span, e: &dyn std::fmt::Display) {
+    span.record("error", e.to_string());
+    span.record("otel.status_code", "ERROR");
 }
