@@ -39,13 +39,17 @@ echo "== helm: lint, render, strict parse and Kubernetes 1.29/1.35 schemas of ev
 scripts/helm-check.sh
 echo "== tests"
 log=$(mktemp)
-cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
-cargo test -p kvfabric-engine --features rdma --test rdma 2>&1 | tee -a "$log"
+cargo test --workspace --no-fail-fast 2>&1 | tee "$log" || true
+cargo test -p kvfabric-engine --features rdma --test rdma 2>&1 | tee -a "$log" || true
+echo "== tests whose deadlines are the claim, in release mode (faults, drain: kill -9, blackholes, SIGTERM)"
+cargo test --release --no-fail-fast -p kvfabric-e2e --test faults --test drain 2>&1 | tee -a "$log" || true
 echo "== images: operator and agent as OCI archives, checked inside their own root filesystems"
 scripts/build-images.sh 2>&1 | tee -a "$log"
 echo "== python: the kvfabric package and the vLLM connector against real vLLM processes"
 scripts/python-test.sh 2>&1 | tee -a "$log"
-# One closing line for the whole workspace (cargo prints one result per test binary, the last
-# often a doc-test run with nothing in it).
-awk '/^test result:/ { p += $4; f += $6 } END { print "tests: " p " passed, " f " failed" }' "$log"
+# One closing line: passed, failed, skipped (KVFABRIC-SKIP lines), ignored; exits non-zero on a
+# failure, a crashed test binary, or in CI a skip for anything but a missing GPU or RDMA device.
+status=0
+scripts/test-summary.sh "$log" || status=$?
 rm -f "$log"
+exit "$status"
