@@ -25,6 +25,16 @@ pub enum OpArg {
     Write,
 }
 
+/// What the test hook `--test-corrupt` changes after the timed phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CorruptArg {
+    /// One byte of a written destination block flipped, one byte written into a destination
+    /// block the row never wrote.
+    Destination,
+    /// One byte written into the source pool.
+    Source,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// Transport to measure (default: tcp and shm, one row each).
@@ -118,6 +128,11 @@ pub struct BenchArgs {
     /// tcp (0: GPU memory over tcp and shm is refused with StagingNotConfigured).
     #[arg(long, env = "KVFABRIC_STAGING_BYTES", default_value = "8MiB", value_parser = bytesize::parse)]
     pub staging_bytes: u64,
+
+    /// Test hook for the bench's own tests (hidden): after the timed phase, change the pools as
+    /// a faulty transport would, so that verification must fail naming the blocks changed.
+    #[arg(long, value_enum, env = "KVFABRIC_BENCH_CORRUPT", hide = true)]
+    pub test_corrupt: Option<CorruptArg>,
 
     #[command(flatten)]
     pub layout: LayoutArgs,

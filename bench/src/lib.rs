@@ -1,6 +1,7 @@
 //! `kvfabric bench`: kvfabric against the ceiling of the same path, in the same run.
 
 pub mod args;
+mod bound;
 mod ceiling;
 pub mod control;
 mod error;
@@ -13,6 +14,7 @@ mod scatter;
 mod server;
 mod stats;
 mod through_agent;
+mod verify;
 
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -31,7 +33,7 @@ use crate::args::{BenchArgs, OpArg, SelftestArgs, TransportArg};
 use initiator::Initiator;
 use layout::Layout;
 
-/// The single-block row: how long one 4 KiB pull takes, against a raw TCP ping-pong.
+/// The single-block row: how long one 4 KiB pull takes, against the fastest raw TCP ping-pong.
 const LATENCY_BLOCK: u64 = 4096;
 
 /// `kvfabric bench`: installs the log subscriber (and, with `--trace`, exports every span to an
@@ -128,7 +130,7 @@ async fn run(args: BenchArgs, telemetry: &Telemetry) -> Result<()> {
             (addr, Some(child))
         }
     };
-    let result = run_rows(engine, control, &plans, args.json).await;
+    let result = run_rows(engine, control, &plans, &args).await;
     if let Some(child) = child.as_mut() {
         stop_target(child).await;
     }
@@ -143,13 +145,14 @@ async fn run_rows(
     engine: Engine,
     control: SocketAddr,
     plans: &[RowPlan],
-    json: bool,
+    args: &BenchArgs,
 ) -> Result<Vec<Row>> {
-    let mut initiator = Initiator::new(engine, control, json)?;
+    let mut initiator = Initiator::new(engine, control, args.json)?;
+    initiator.corrupt = args.test_corrupt;
     let mut rows = Vec::new();
     for plan in plans {
         let row = initiator.run_row(plan).await?;
-        if json {
+        if args.json {
             println!("{}", serde_json::to_string(&row).expect("row serializes"));
         }
         rows.push(row);
