@@ -120,6 +120,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub cuda_spin: bool,
 
+    /// µs a batch waiting on its own thread polls for its reply before it sleeps, and the target
+    /// polls a data connection for the next request (`EngineConfig::spin_wait`; each poll holds
+    /// a core). Default: 0, or 200 with --cuda-spin.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(..=1_000_000))]
+    pub busy_poll_us: Option<u64>,
+
     /// Half the batches pull and half push, at the same time (needs an even --concurrency).
     #[arg(long)]
     pub bidirectional: bool,
@@ -190,6 +196,14 @@ pub struct SelftestArgs {
     pub rounds: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+}
+
+impl BenchArgs {
+    /// How long waiting threads poll before they sleep (`EngineConfig::spin_wait`).
+    pub fn spin_wait(&self) -> std::time::Duration {
+        let default = if self.cuda_spin { 200 } else { 0 };
+        std::time::Duration::from_micros(self.busy_poll_us.unwrap_or(default))
+    }
 }
 
 fn parse_pair(s: &str) -> Result<(u32, u32), String> {

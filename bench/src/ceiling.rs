@@ -33,6 +33,10 @@ pub const HOT_BYTES: u64 = 256 << 10;
 /// a core).
 pub const SPIN_IDLE: Duration = Duration::from_millis(10);
 
+/// A spinning reader yields its core between polls after this long without a byte: the other
+/// end may be waiting for that core (two spinners on one core would each wait out the other).
+const SPIN_PURE: Duration = Duration::from_micros(20);
+
 /// What the raw streams read and write.
 #[derive(Debug, Clone, Copy)]
 pub enum Buffers {
@@ -217,8 +221,9 @@ pub fn tcp_ping_pong(control: SocketAddr, size: u64, spin: bool, secs: f64) -> R
     })
 }
 
-/// Fills `buf` from a nonblocking socket, polling without sleeping; after `idle` without a byte
-/// it sleeps in poll(2) until the socket is readable.
+/// Fills `buf` from a nonblocking socket, polling without sleeping (spinning, then yielding the
+/// core between polls); after `idle` without a byte it sleeps in poll(2) until the socket is
+/// readable.
 pub fn read_exact_spinning(s: &mut TcpStream, buf: &mut [u8], idle: Duration) -> io::Result<()> {
     let mut got = 0;
     let mut quiet = Instant::now();
@@ -230,7 +235,8 @@ pub fn read_exact_spinning(s: &mut TcpStream, buf: &mut [u8], idle: Duration) ->
                 quiet = Instant::now();
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if quiet.elapsed() >= idle {
+                let silent = quiet.elapsed();
+                if silent >= idle {
                     let mut fds = [rustix::event::PollFd::new(
                         &*s,
                         rustix::event::PollFlags::IN,
@@ -240,6 +246,8 @@ pub fn read_exact_spinning(s: &mut TcpStream, buf: &mut [u8], idle: Duration) ->
                         Err(e) => return Err(e.into()),
                     }
                     quiet = Instant::now();
+                } else if silent >= SPIN_PURE {
+                    std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
                 }
@@ -263,7 +271,7 @@ pub fn write_all_spinning(s: &mut TcpStream, mut buf: &[u8]) -> io::Result<()> {
                     io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
                 ) =>
             {
-                std::hint::spin_loop();
+                std::thread::yield_now();
             }
             Err(e) => return Err(e),
         }

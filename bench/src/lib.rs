@@ -92,11 +92,7 @@ async fn run(args: BenchArgs, telemetry: &Telemetry) -> Result<()> {
         cuda_spin: args.cuda_spin,
         staging_bytes: args.staging_bytes,
         // --cuda-spin is the lowest-latency setting: the waiting slot polls briefly too.
-        spin_wait: if args.cuda_spin {
-            Duration::from_micros(200)
-        } else {
-            Duration::ZERO
-        },
+        spin_wait: args.spin_wait(),
         rdma: RdmaConfig {
             enabled: rdma,
             ..RdmaConfig::default()
@@ -241,6 +237,9 @@ async fn spawn_target(args: &BenchArgs) -> Result<(SocketAddr, Child)> {
         .kill_on_drop(true);
     if let Some(key) = args.key {
         cmd.arg("--key").arg(key.to_string());
+    }
+    if let Some(us) = args.busy_poll_us {
+        cmd.arg("--busy-poll-us").arg(us.to_string());
     }
     if args.transport == Some(TransportArg::Rdma) {
         // The target registers its pools with its NICs only when told.

@@ -33,6 +33,7 @@ pub async fn run(
         segment_key: args.key,
         tcp_connections: args.connections,
         staging_bytes: args.staging_bytes,
+        spin_wait: args.spin_wait(),
         // Pools are registered with the NICs (pinned) only for an rdma run.
         rdma: RdmaConfig {
             enabled: args.transport == Some(TransportArg::Rdma),

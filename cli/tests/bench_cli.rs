@@ -183,6 +183,46 @@ fn one_small_read_is_bound_by_the_faster_raw_ping_pong() {
     assert_bound_is_best_part(r);
 }
 
+/// `--busy-poll-us`: the initiator polls for each reply and the target for each next request
+/// before sleeping; the frames stay in step (every byte of both pools verified), both ways.
+#[test]
+fn busy_polling_on_both_ends_keeps_every_byte_right() {
+    for op in ["read", "write"] {
+        let out = Command::new(BIN)
+            .args([
+                "bench",
+                "--json",
+                "--transport",
+                "tcp",
+                "--op",
+                op,
+                "--duration",
+                "0.3",
+                "--pool-bytes",
+                "4MiB",
+                "--block-size",
+                "4KiB",
+                "--blocks-per-batch",
+                "1",
+                "--concurrency",
+                "1",
+                "--checksum",
+                "--busy-poll-us",
+                "100",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r = &rows(&out.stdout)[0];
+        assert_eq!(r["verified"], 2 * (4 << 20), "{r}");
+        assert!(r["batches"].as_u64().unwrap() > 0, "{r}");
+    }
+}
+
 /// Runs a bench whose test hook breaks a pool after the timed phase: it must fail (exit 1) with
 /// the verifier naming every block the hook changed, in the pool it changed.
 fn fails_naming_the_blocks_changed(args: &[&str], hook: &str, pool: &str, bad: usize) {

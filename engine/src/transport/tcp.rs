@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use rustix::net::{SendFlags, send};
 use tracing::{debug, warn};
 
-use super::io::{Until, discard, read_exact_vectored, write_all_vectored};
+use super::io::{Until, discard, read_exact_vectored, spin_until_readable, write_all_vectored};
 use super::staging::{Span, Staging, device_of};
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
@@ -825,28 +825,15 @@ impl Conn {
 }
 
 /// Waits until the socket has bytes (or an error/hang-up) to read; false at the deadline. For
-/// the first `busy_poll` it polls without sleeping: a reply due within microseconds then costs
-/// no wake-up.
+/// the first `busy_poll` it polls without sleeping.
 fn wait_readable(
     stream: &TcpStream,
     deadline: Instant,
     busy_poll: Duration,
 ) -> std::io::Result<bool> {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    if !busy_poll.is_zero() {
-        let zero = Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        let until = deadline.min(Instant::now() + busy_poll);
-        while Instant::now() < until {
-            let mut fds = [PollFd::new(stream, PollFlags::IN)];
-            match poll(&mut fds, Some(&zero)) {
-                Ok(0) | Err(rustix::io::Errno::INTR) => std::hint::spin_loop(),
-                Ok(_) => return Ok(true),
-                Err(e) => return Err(e.into()),
-            }
-        }
+    if spin_until_readable(stream, busy_poll, Some(deadline))? {
+        return Ok(true);
     }
     loop {
         let left = deadline.saturating_duration_since(Instant::now());

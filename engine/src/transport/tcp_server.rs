@@ -12,7 +12,9 @@ use std::time::{Instant, SystemTime};
 use tracing::{debug, info};
 
 use super::TransportKind;
-use super::io::{discard, hang_up, read_exact_vectored, read_to_len, write_all_vectored};
+use super::io::{
+    discard, hang_up, read_exact_vectored, read_to_len, spin_until_readable, write_all_vectored,
+};
 use super::listener::Admission;
 use super::staging::{Span, Staging, device_of};
 use super::target::ServedChunk;
@@ -131,6 +133,12 @@ impl Checked {
 
 impl ServerConn {
     fn serve_one(&mut self, s: &mut TcpStream) -> Result<()> {
+        let spin = self.target.config.spin_wait;
+        if !spin.is_zero() && self.input.buffer().is_empty() {
+            // The initiator's next request often follows its last reply within microseconds;
+            // whether it came or not, the read below waits as ever (with the idle timeout).
+            let _ = spin_until_readable(self.input.get_ref(), spin, None);
+        }
         let h = read_header(&mut self.input, &self.peer)?;
         let (started, clock) = (Instant::now(), SystemTime::now());
         self.trace = None;
