@@ -30,9 +30,10 @@ for r in rows:
     blk = f"{bs >> 20} MiB" if bs >= 1 << 20 else f"{bs >> 10} KiB"
     lat = r.get("ceiling_p50_us") is not None
     bound = f'{r["ceiling_name"]} {value({"gbps": r["ceiling_gbps"], "p50_us": r.get("ceiling_p50_us")})}'
-    ratio = f'{r["ratio"]*100:.0f}%' + (" CEILING BUG" if r.get("ceiling_bug") else "")
+    ratio = f'{r["ratio"]*100:.0f}%'
     if r.get("ceiling_bug"):
         bugs.append(f'{r["path"]} {r["transport"]} {r["op"]} {blk}: {ratio} of {r["ceiling_name"]}')
+        ratio += " CEILING BUG
     same = r.get("same_shape")
     ip = peers.get((r["path"], "iperf3", None)) if r["transport"] == "tcp" and not lat else None
     u = ucx(r["path"], bs) if r["transport"] == "tcp" and not lat else None

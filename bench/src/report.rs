@@ -108,3 +108,60 @@ pub fn table(rows: &[Row]) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(op: &str, gbps: f64, bound: f64) -> Row {
+        let part = Ceiling {
+            name: "raw tcp ×1 hot".into(),
+            gbps: bound,
+            p50_us: None,
+        };
+        Row {
+            transport: "tcp".into(),
+            selection: String::new(),
+            op: op.into(),
+            block_size: 64 << 10,
+            blocks_per_batch: 16,
+            concurrency: 4,
+            batches: 10,
+            bytes: 10 * 16 * (64 << 10),
+            seconds: 1.0,
+            gbps,
+            p50_us: 100.0,
+            p99_us: 200.0,
+            verified: 8 << 20,
+            checksum: false,
+            ceiling_name: part.name.clone(),
+            ceiling_gbps: bound,
+            ceiling_p50_us: None,
+            ratio: gbps / bound,
+            ceiling_bug: gbps > bound,
+            bound: vec![part],
+            same_shape: None,
+        }
+    }
+
+    #[test]
+    fn a_row_above_its_bound_is_flagged_in_the_table_and_the_json() {
+        let rows = [row("write", 1.0, 2.0), row("read", 3.0, 2.0)];
+        let out = table(&rows);
+        assert_eq!(out.matches("CEILING BUG").count(), 1, "{out}");
+        assert!(out.contains("150% CEILING BUG"), "{out}");
+        assert!(out.contains("50%"), "{out}");
+        let notes: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with("ceiling bug:"))
+            .collect();
+        assert_eq!(notes.len(), 1, "{out}");
+        assert!(
+            notes[0].contains("tcp read 64 KiB reached 150% of its bound (raw tcp ×1 hot)"),
+            "{out}"
+        );
+        let json = |r: &Row| serde_json::to_value(r).unwrap();
+        assert_eq!(json(&rows[0])["ceiling_bug"], false);
+        assert_eq!(json(&rows[1])["ceiling_bug"], true);
+    }
+}
