@@ -33,7 +33,7 @@ for r in rows:
     ratio = f'{r["ratio"]*100:.0f}%'
     if r.get("ceiling_bug"):
         bugs.append(f'{r["path"]} {r["transport"]} {r["op"]} {blk}: {ratio} of {r["ceiling_name"]}')
-        ratio += " CEILING BUG
+        ratio += " CEILING BUG"
     same = r.get("same_shape")
     ip = peers.get((r["path"], "iperf3", None)) if r["transport"] == "tcp" and not lat else None
     u = ucx(r["path"], bs) if r["transport"] == "tcp" and not lat else None
