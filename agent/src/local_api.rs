@@ -10,6 +10,7 @@ use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status};
 
 use crate::error::Error;
+use crate::incoming::Connection;
 use crate::node::{Node, RegionSource, Transfer};
 use crate::registry::{Event, SegmentEntry};
 use crate::status;
@@ -20,6 +21,7 @@ use kvfabric_proto::pb::{
     RegisterSegmentResponse, SegmentEvent, StatusRequest, StatusResponse, SubmitRequest,
     SubmitResponse, WatchSegmentsRequest, region_spec, segment_event,
 };
+use tonic::transport::server::UdsConnectInfo;
 use tracing::{Instrument, field, info_span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -84,6 +86,28 @@ pub fn decode_transfer(req: SubmitRequest) -> Result<Transfer, Error> {
     })
 }
 
+/// The agent's ordinal of the GPU a region names: by UUID when given (the worker's numbering
+/// may differ from ours), else the ordinal as sent.
+fn device_of(i: usize, c: &pb::CudaMemory) -> Result<u32, Error> {
+    if c.device_uuid.is_empty() {
+        return Ok(c.device);
+    }
+    let field = || format!("regions[{i}].device_uuid");
+    let want = kvfabric_engine::cuda::uuid_digits(&c.device_uuid)
+        .ok_or_else(|| Error::invalid(field(), &c.device_uuid, "not a GPU UUID"))?;
+    kvfabric_engine::cuda::devices()?
+        .into_iter()
+        .find(|d| kvfabric_engine::cuda::uuid_digits(&d.uuid).as_deref() == Some(want.as_str()))
+        .map(|d| d.ordinal)
+        .ok_or_else(|| {
+            Error::invalid(
+                field(),
+                &c.device_uuid,
+                "no GPU with this UUID on this node",
+            )
+        })
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<SegmentEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -92,6 +116,10 @@ impl LocalAgent for LocalApi {
         &self,
         request: Request<RegisterSegmentRequest>,
     ) -> Result<Response<RegisterSegmentResponse>, Status> {
+        let connection = request
+            .extensions()
+            .get::<Connection<UdsConnectInfo>>()
+            .cloned();
         let req = request.into_inner();
         let mut sources = Vec::with_capacity(req.regions.len());
         for (i, spec) in req.regions.into_iter().enumerate() {
@@ -100,7 +128,7 @@ impl LocalAgent for LocalApi {
                     fd_token: h.fd_token,
                 },
                 Some(region_spec::Memory::Cuda(c)) => RegionSource::Cuda {
-                    device: c.device,
+                    device: device_of(i, &c)?,
                     ipc_handle: c.ipc_handle,
                     offset: c.offset,
                     len: c.len,
@@ -117,6 +145,13 @@ impl LocalAgent for LocalApi {
         }
         let registered = self.node.register(&req.name, sources, req.key).await?;
         let segment = &registered.segment;
+        if let Some(connection) = connection.filter(|_| !req.detached) {
+            let (node, owned) = (self.node.clone(), segment.clone());
+            tokio::spawn(async move {
+                connection.closed().await;
+                node.release_with_owner(&owned).await;
+            });
+        }
         Ok(Response::new(RegisterSegmentResponse {
             published: registered.published,
             name: segment.name.clone(),

@@ -23,7 +23,6 @@ mod region;
 mod region_id;
 mod region_table;
 mod segment;
-mod throttle;
 pub mod transport;
 mod transport_kind;
 
