@@ -28,13 +28,13 @@ pub struct Row {
     /// The bound: the best raw variant of the path (see `bound`).
     pub ceiling_name: String,
     pub ceiling_gbps: f64,
-    /// For latency rows: the bound's median round trip.
+    /// For latency rows: the bound's p50 round trip (of its best round).
     pub ceiling_p50_us: Option<f64>,
     /// kvfabric / bound (for latency rows: bound p50 / kvfabric p50).
     pub ratio: f64,
     /// The ratio is above 100%: the bound is not the limit of the path (a bug of the bench).
     pub ceiling_bug: bool,
-    /// Every variant the bound is the best of, median of the rounds.
+    /// Every variant the bound is the best of, each at its best round.
     pub bound: Vec<Ceiling>,
     /// The row's own shape without kvfabric, where measured (not part of the bound).
     pub same_shape: Option<Ceiling>,
