@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Formats the JSON lines of scripts/cpu-bench.sh as one table: kvfabric rows with their own
-ceiling, plus iperf3 and UCX measured on the same path in the same job."""
+"""Formats the JSON lines of scripts/cpu-bench.sh as one table: kvfabric rows against their bound
+(the best raw variant of the path, measured in the same run; a ratio above 100% is a ceiling bug
+of the bench and says so), the row's same-shape raw baseline where measured, plus iperf3 and UCX
+measured on the same path in the same job."""
 import json, sys
 
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -14,20 +16,30 @@ def ucx(path, bs):
     sizes = sorted(s for (p, n, s) in peers if p == path and n == "ucx-tcp-put_bw" and s and s <= bs)
     return peers.get((path, "ucx-tcp-put_bw", sizes[-1])) if sizes else None
 
-head = ["path", "transport", "op", "block", "ops/batch", "GB/s", "p50 µs", "ceiling", "ratio",
-        "iperf3", "vs iperf3", "UCX", "vs UCX"]
+def value(c):
+    return f'{c["p50_us"]:.1f} µs' if c.get("p50_us") is not None else f'{c["gbps"]:.2f}'
+
+head = ["path", "transport", "op", "block", "ops/batch", "GB/s", "p50 µs", "p99 µs", "bound", "ratio",
+        "same shape", "iperf3", "vs iperf3", "UCX", "vs UCX"]
 out = [head]
+bugs = []
 for r in rows:
     if "peer" in r:
         continue
     bs = r["block_size"]
     blk = f"{bs >> 20} MiB" if bs >= 1 << 20 else f"{bs >> 10} KiB"
     lat = r.get("ceiling_p50_us") is not None
-    ceiling = f'{r["ceiling_name"]} {r["ceiling_p50_us"]:.1f} µs' if lat else f'{r["ceiling_name"]} {r["ceiling_gbps"]:.2f}'
+    bound = f'{r["ceiling_name"]} {value({"gbps": r["ceiling_gbps"], "p50_us": r.get("ceiling_p50_us")})}'
+    ratio = f'{r["ratio"]*100:.0f}%'
+    if r.get("ceiling_bug"):
+        bugs.append(f'{r["path"]} {r["transport"]} {r["op"]} {blk}: {ratio} of {r["ceiling_name"]}')
+        ratio += " CEILING BUG"
+    same = r.get("same_shape")
     ip = peers.get((r["path"], "iperf3", None)) if r["transport"] == "tcp" and not lat else None
     u = ucx(r["path"], bs) if r["transport"] == "tcp" and not lat else None
     out.append([r["path"], r["transport"], r["op"], blk, str(r["blocks_per_batch"]),
-                f'{r["gbps"]:.2f}', f'{r["p50_us"]:.1f}', ceiling, f'{r["ratio"]*100:.0f}%',
+                f'{r["gbps"]:.2f}', f'{r["p50_us"]:.1f}', f'{r["p99_us"]:.1f}', bound, ratio,
+                value(same) if same else "",
                 f"{ip:.2f}" if ip else "", f'{r["gbps"]/ip*100:.0f}%' if ip else "",
                 f"{u:.2f}" if u else "", f'{r["gbps"]/u:.1f}×' if u else ""])
 w = [max(len(row[i]) for row in out) for i in range(len(head))]
@@ -35,3 +47,5 @@ for i, row in enumerate(out):
     print("| " + " | ".join(c.ljust(w[j]) for j, c in enumerate(row)) + " |")
     if i == 0:
         print("|" + "|".join("-" * (x + 2) for x in w) + "|")
+for b in bugs:
+    print(f"ceiling bug: {b} — the bound is not the limit of the path")

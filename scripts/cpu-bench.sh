@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The CPU-side benchmark sweep behind the README's results table: kvfabric over tcp (loopback and
-# between two network namespaces joined by veth) and shm, with iperf3 and UCX ucp_put_bw run in
-# the same job on the same paths. Prints JSON lines to $OUT/rows.jsonl and a table last.
+# between two network namespaces joined by veth) and shm, each row against its bound (the best raw
+# variant of the path, measured in the same run: raw tcp ×1…N on hot buffers, memcpy on the
+# engine's copy threads, the faster raw ping-pong), with iperf3 and UCX ucp_put_bw run in the same
+# job on the same paths. Prints JSON lines to $OUT/rows.jsonl and a table last; a row above its
+# bound is flagged CEILING BUG.
 #   scripts/cpu-bench.sh [SECONDS_PER_ROW]      (needs root for the namespaces)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,7 +65,7 @@ if netns_up 2>/dev/null; then
 else
   echo "network namespaces unavailable here; veth rows skipped" >&2
 fi
-# shm on one node: kvfabric against single-thread memcpy of the same blocks.
+# shm on one node: kvfabric against memcpy of the same blocks and contiguous memcpy.
 for shape in "32KiB 2048" "1MiB 64"; do
   set -- $shape
   for op in write read; do

@@ -25,6 +25,16 @@ pub enum OpArg {
     Write,
 }
 
+/// What the test hook `--test-corrupt` changes after the timed phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CorruptArg {
+    /// One byte of a written destination block flipped, one byte written into a destination
+    /// block the row never wrote.
+    Destination,
+    /// One byte written into the source pool.
+    Source,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// Transport to measure (default: tcp and shm, one row each).
@@ -110,6 +120,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub cuda_spin: bool,
 
+    /// µs a batch waiting on its own thread polls for its reply before it sleeps, and the target
+    /// polls a data connection for the next request (`EngineConfig::spin_wait`; each poll holds
+    /// a core). Default: 0, or 200 with --cuda-spin.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(..=1_000_000))]
+    pub busy_poll_us: Option<u64>,
+
     /// Half the batches pull and half push, at the same time (needs an even --concurrency).
     #[arg(long)]
     pub bidirectional: bool,
@@ -118,6 +134,11 @@ pub struct BenchArgs {
     /// tcp (0: GPU memory over tcp and shm is refused with StagingNotConfigured).
     #[arg(long, env = "KVFABRIC_STAGING_BYTES", default_value = "8MiB", value_parser = bytesize::parse)]
     pub staging_bytes: u64,
+
+    /// Test hook for the bench's own tests (hidden): after the timed phase, change the pools as
+    /// a faulty transport would, so that verification must fail naming the blocks changed.
+    #[arg(long, value_enum, env = "KVFABRIC_BENCH_CORRUPT", hide = true)]
+    pub test_corrupt: Option<CorruptArg>,
 
     #[command(flatten)]
     pub layout: LayoutArgs,
@@ -175,6 +196,14 @@ pub struct SelftestArgs {
     pub rounds: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+}
+
+impl BenchArgs {
+    /// How long waiting threads poll before they sleep (`EngineConfig::spin_wait`).
+    pub fn spin_wait(&self) -> std::time::Duration {
+        let default = if self.cuda_spin { 200 } else { 0 };
+        std::time::Duration::from_micros(self.busy_poll_us.unwrap_or(default))
+    }
 }
 
 fn parse_pair(s: &str) -> Result<(u32, u32), String> {

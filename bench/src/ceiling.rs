@@ -1,45 +1,129 @@
-//! What the same path can do without kvfabric, measured in the same run: a raw TCP stream and a
-//! raw TCP ping-pong between the same hosts, and single-thread memcpy over the same blocks.
+//! What the same path does without kvfabric, measured in the same run: each function measures one
+//! raw variant of a row's path (raw TCP streams, a raw request/response, memcpy). A row's bound is
+//! the best of its variants (see [`crate::bound`]).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Shutdown, SocketAddr};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use serde::Serialize;
 
 use crate::control::{ControlClient, Reply, Request};
 use crate::error::{Error, Result};
 use crate::scatter::Scatter;
 use crate::stats::percentile;
 
-#[derive(Debug, Clone)]
+/// One raw variant's result.
+#[derive(Debug, Clone, Serialize)]
 pub struct Ceiling {
     pub name: String,
     pub gbps: f64,
-    /// Set for latency ceilings (ping-pong).
+    /// Set for request/response variants: the median round trip.
     pub p50_us: Option<f64>,
 }
 
-/// Raw TCP streams in the direction the data of the row flows, as many as kvfabric opens data
-/// connections, each moving random blocks of the row's size between cold pools of the row's size
-/// (split among the streams) with readv/writev: the same path and memory pattern, no framing.
+/// Bytes a hot stream moves per call, from and into one buffer that stays in the caches: what
+/// the kernel's TCP path itself allows, with no cold memory on either end.
+pub const HOT_BYTES: u64 = 256 << 10;
+
+/// A silent spinning peer sleeps after this long without a byte (an idle ping-pong must not hold
+/// a core).
+pub const SPIN_IDLE: Duration = Duration::from_millis(10);
+
+/// A spinning reader yields its core between polls after this long without a byte: the other
+/// end may be waiting for that core (two spinners on one core would each wait out the other).
+const SPIN_PURE: Duration = Duration::from_micros(20);
+
+/// What the raw streams read and write.
+#[derive(Debug, Clone, Copy)]
+pub enum Buffers {
+    /// One `HOT_BYTES` buffer per stream and end, reused for every call.
+    Hot,
+    /// The row's shape: random blocks of `block_size` between cold pools of `pool_bytes` (split
+    /// among the streams) with readv/writev — kvfabric minus its framing.
+    SameShape { pool_bytes: u64, block_size: u64 },
+}
+
+/// Which way the streams' bytes flow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    ToTarget,
+    FromTarget,
+    /// `streams` each way at once (a bidirectional row).
+    Both,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct StreamShape {
+    pub flow: Flow,
+    pub streams: usize,
+    pub buffers: Buffers,
+}
+
+impl StreamShape {
+    pub fn name(&self) -> String {
+        let each = if self.flow == Flow::Both {
+            " each way"
+        } else {
+            ""
+        };
+        let buffers = match self.buffers {
+            Buffers::Hot => "hot",
+            Buffers::SameShape { .. } => "same shape",
+        };
+        format!("raw tcp ×{}{each} {buffers}", self.streams)
+    }
+
+    /// Whether stream `i` carries bytes towards the target.
+    fn towards_target(&self, i: usize) -> bool {
+        match self.flow {
+            Flow::ToTarget => true,
+            Flow::FromTarget => false,
+            Flow::Both => i % 2 == 1,
+        }
+    }
+
+    /// Streams in all (both ways for `Flow::Both`).
+    fn total(&self) -> usize {
+        self.streams.max(1) * if self.flow == Flow::Both { 2 } else { 1 }
+    }
+
+    /// Each stream's pool and the bytes of one of its places.
+    fn share(&self) -> (u64, u64) {
+        match self.buffers {
+            Buffers::Hot => (HOT_BYTES, HOT_BYTES),
+            Buffers::SameShape {
+                pool_bytes,
+                block_size,
+            } => (
+                (pool_bytes / self.total() as u64).max(block_size),
+                block_size,
+            ),
+        }
+    }
+}
+
+/// Raw TCP streams in the direction the data of the row flows, all at once for `secs`.
 pub fn tcp_stream(control: SocketAddr, shape: StreamShape, secs: f64) -> Result<Ceiling> {
     let span = Duration::from_secs_f64(secs);
-    let streams = shape.streams.max(1);
-    let share = (shape.pool_bytes / streams as u64).max(shape.block_size);
+    let streams = shape.total();
+    let (share, block) = shape.share();
     // Pools are made (and their pages touched) before the clock starts.
     let pools: Vec<Scatter> = (0..streams)
-        .map(|i| Scatter::new(share as usize, shape.block_size as usize, 100 + i as u64))
+        .map(|i| Scatter::new(share as usize, block as usize, 100 + i as u64))
         .collect();
     // Every stream connects and the target fills its side first; then all start together.
     let go = Arc::new(Barrier::new(streams + 1));
     let workers: Vec<_> = pools
         .into_iter()
-        .map(|pool| {
+        .enumerate()
+        .map(|(i, pool)| {
             let go = go.clone();
-            std::thread::spawn(move || one_stream(control, shape, share, pool, span, &go))
+            let towards_target = shape.towards_target(i);
+            std::thread::spawn(move || one_stream(control, shape, towards_target, pool, span, &go))
         })
         .collect();
     go.wait();
@@ -48,35 +132,27 @@ pub fn tcp_stream(control: SocketAddr, shape: StreamShape, secs: f64) -> Result<
     for w in workers {
         bytes += w
             .join()
-            .map_err(|_| Error::io("ceiling stream", std::io::Error::other("thread panicked")))??;
+            .map_err(|_| Error::io("ceiling stream", io::Error::other("thread panicked")))??;
     }
     Ok(Ceiling {
-        name: format!("raw tcp ×{streams}"),
+        name: shape.name(),
         gbps: bytes as f64 / start.elapsed().as_secs_f64() / 1e9,
         p50_us: None,
     })
-}
-
-#[derive(Debug, Clone, Copy)]
-pub struct StreamShape {
-    pub towards_target: bool,
-    pub streams: usize,
-    pub pool_bytes: u64,
-    pub block_size: u64,
 }
 
 /// Bytes one stream delivered within `span` (counted by the receiver).
 fn one_stream(
     control: SocketAddr,
     shape: StreamShape,
-    share: u64,
+    towards_target: bool,
     mut pool: Scatter,
     span: Duration,
     go: &Barrier,
 ) -> Result<u64> {
     let io = |e| Error::io("ceiling stream", e);
-    let (bytes, block_size) = (share, shape.block_size);
-    if shape.towards_target {
+    let (bytes, block_size) = shape.share();
+    if towards_target {
         let s = ControlClient::raw(control, &Request::Sink { bytes, block_size });
         go.wait();
         let mut s = s?;
@@ -110,9 +186,13 @@ fn one_stream(
     }
 }
 
-/// A 32-byte request answered by `size` bytes, back to back: the floor for one small read.
-pub fn tcp_ping_pong(control: SocketAddr, size: u64, secs: f64) -> Result<Ceiling> {
-    let mut s = ControlClient::raw(control, &Request::PingPong { size })?;
+/// A 32-byte request answered by `size` bytes, back to back: the floor for one small read. With
+/// `spin`, both ends poll their sockets without sleeping (the target sleeps only after
+/// `SPIN_IDLE` of silence).
+pub fn tcp_ping_pong(control: SocketAddr, size: u64, spin: bool, secs: f64) -> Result<Ceiling> {
+    let io = |e| Error::io("ping-pong", e);
+    let mut s = ControlClient::raw(control, &Request::PingPong { size, spin })?;
+    s.set_nonblocking(spin).map_err(io)?;
     let mut reply = vec![0u8; size as usize];
     let req = [0u8; 32];
     let span = Duration::from_secs_f64(secs);
@@ -120,37 +200,166 @@ pub fn tcp_ping_pong(control: SocketAddr, size: u64, secs: f64) -> Result<Ceilin
     let start = Instant::now();
     while start.elapsed() < span {
         let t = Instant::now();
-        s.write_all(&req).map_err(|e| Error::io("ping-pong", e))?;
-        s.read_exact(&mut reply)
-            .map_err(|e| Error::io("ping-pong", e))?;
+        if spin {
+            write_all_spinning(&mut s, &req).map_err(io)?;
+            // The target answers at once; a silent one is an error, not a wait.
+            read_exact_spinning(&mut s, &mut reply, Duration::MAX).map_err(io)?;
+        } else {
+            s.write_all(&req).map_err(io)?;
+            s.read_exact(&mut reply).map_err(io)?;
+        }
         rtts.push(t.elapsed());
     }
     let p50 = percentile(&mut rtts, 0.5);
     Ok(Ceiling {
-        name: "raw tcp ping-pong".into(),
+        name: format!(
+            "raw tcp ping-pong {}",
+            if spin { "busy-poll" } else { "blocking" }
+        ),
         gbps: size as f64 / p50.as_secs_f64() / 1e9,
         p50_us: Some(p50.as_secs_f64() * 1e6),
     })
 }
 
-/// One thread copying the same shape of batch (random blocks to random blocks) between two
-/// pools of the row's size: what a plain memcpy loop gets from this memory.
-pub fn memcpy(src: &[u8], dst: &mut [u8], block: usize, per_batch: usize, secs: f64) -> Ceiling {
+/// Fills `buf` from a nonblocking socket, polling without sleeping (spinning, then yielding the
+/// core between polls); after `idle` without a byte it sleeps in poll(2) until the socket is
+/// readable.
+pub fn read_exact_spinning(s: &mut TcpStream, buf: &mut [u8], idle: Duration) -> io::Result<()> {
+    let mut got = 0;
+    let mut quiet = Instant::now();
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                quiet = Instant::now();
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let silent = quiet.elapsed();
+                if silent >= idle {
+                    let mut fds = [rustix::event::PollFd::new(
+                        &*s,
+                        rustix::event::PollFlags::IN,
+                    )];
+                    match rustix::event::poll(&mut fds, None) {
+                        Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                    quiet = Instant::now();
+                } else if silent >= SPIN_PURE {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `buf` to a nonblocking socket, polling while its send buffer is full.
+pub fn write_all_spinning(s: &mut TcpStream, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        match s.write(buf) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                std::thread::yield_now();
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// `threads` threads copying random blocks of `src` into random blocks of their own share of
+/// `dst`, `per_batch` blocks between looks at the clock: the row's access pattern as plain
+/// memcpy, on as many threads as kvfabric copies with.
+pub fn memcpy_scattered(
+    src: &[u8],
+    dst: &mut [u8],
+    block: usize,
+    per_batch: usize,
+    threads: usize,
+    secs: f64,
+) -> Ceiling {
     let blocks = src.len().min(dst.len()) / block;
-    let mut rng = SmallRng::seed_from_u64(11);
+    let threads = threads.clamp(1, blocks.max(1));
+    let mine = blocks / threads;
     let span = Duration::from_secs_f64(secs);
     let start = Instant::now();
-    let mut moved = 0u64;
-    while start.elapsed() < span {
-        for _ in 0..per_batch {
-            let s = rng.random_range(0..blocks) * block;
-            let d = rng.random_range(0..blocks) * block;
-            dst[d..d + block].copy_from_slice(&src[s..s + block]);
-        }
-        moved += (per_batch * block) as u64;
-    }
+    let moved: u64 = std::thread::scope(|scope| {
+        let workers: Vec<_> = dst[..mine * threads * block]
+            .chunks_mut(mine * block)
+            .enumerate()
+            .map(|(t, share)| {
+                scope.spawn(move || {
+                    let mut rng = SmallRng::seed_from_u64(11 + t as u64);
+                    let mut moved = 0u64;
+                    while start.elapsed() < span {
+                        for _ in 0..per_batch {
+                            let s = rng.random_range(0..blocks) * block;
+                            let d = rng.random_range(0..mine) * block;
+                            share[d..d + block].copy_from_slice(&src[s..s + block]);
+                        }
+                        moved += (per_batch * block) as u64;
+                    }
+                    moved
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("memcpy thread"))
+            .sum()
+    });
     Ceiling {
-        name: "memcpy 1 thread".into(),
+        name: format!("memcpy ×{threads} same shape"),
+        gbps: moved as f64 / start.elapsed().as_secs_f64() / 1e9,
+        p50_us: None,
+    }
+}
+
+/// `threads` threads each copying its contiguous share of `src` into `dst`, over and over: the
+/// memory's copy bandwidth.
+pub fn memcpy_contiguous(src: &[u8], dst: &mut [u8], threads: usize, secs: f64) -> Ceiling {
+    const STEP: usize = 1 << 20;
+    let len = src.len().min(dst.len());
+    let threads = threads.clamp(1, len.div_ceil(STEP).max(1));
+    let share = len.div_ceil(threads);
+    let span = Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let moved: u64 = std::thread::scope(|scope| {
+        let workers: Vec<_> = dst[..len]
+            .chunks_mut(share)
+            .zip(src[..len].chunks(share))
+            .map(|(d, s)| {
+                scope.spawn(move || {
+                    let mut moved = 0u64;
+                    while start.elapsed() < span {
+                        for (d, s) in d.chunks_mut(STEP).zip(s.chunks(STEP)) {
+                            d.copy_from_slice(s);
+                            moved += s.len() as u64;
+                        }
+                    }
+                    moved
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("memcpy thread"))
+            .sum()
+    });
+    Ceiling {
+        name: format!("memcpy ×{threads} contiguous"),
         gbps: moved as f64 / start.elapsed().as_secs_f64() / 1e9,
         p50_us: None,
     }

@@ -46,9 +46,18 @@ pub enum Request {
         bytes: u64,
         block_size: u64,
     },
-    /// Ceiling: answer each 32-byte request with `size` bytes.
+    /// Ceiling: answer each 32-byte request with `size` bytes; with `spin`, polling the socket
+    /// without sleeping.
     PingPong {
         size: u64,
+        #[serde(default)]
+        spin: bool,
+    },
+    /// Test hook (`--test-corrupt`): XOR one byte of a host pool, as a stray write would.
+    Poke {
+        region: RegionId,
+        offset: u64,
+        xor: u8,
     },
     /// The initiator's rdma connection offer; answered with the target's QPs, connected.
     RdmaConnect {
@@ -78,6 +87,7 @@ pub enum Reply {
         verdict: Verdict,
     },
     Released,
+    Poked,
     Ready,
     SinkDone {
         bytes: u64,

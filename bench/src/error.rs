@@ -14,12 +14,16 @@ pub enum Error {
     #[error("bench control channel with {peer}: {reason}")]
     Control { peer: String, reason: String },
 
-    /// A destination held something else than what the row moved there.
-    #[error("verification failed for {row}: {mismatches} bad blocks, first: {first}")]
+    /// A pool held something else than what it must after the row: a wrong byte where the
+    /// row wrote, or a stray write where it did not.
+    #[error("verification failed for {row}: {pool}: {mismatches} bad: {bad}")]
     Verify {
         row: String,
+        pool: String,
+        /// Bad blocks (host pools) or 8-byte words (GPU pools).
         mismatches: u64,
-        first: String,
+        /// The first few bad places, each naming its block.
+        bad: String,
     },
 
     /// The registry bench saw something else than it put.

@@ -1,6 +1,6 @@
 //! The initiator: runs each row against a target reached through its control address. A row
-//! alternates kvfabric and its ceiling over a few rounds (both see the same drift of this shared
-//! machine), reports the median of each, then verifies every destination byte.
+//! alternates kvfabric and its bound over a few rounds (both see the same drift of this shared
+//! machine), reports the median of each, then verifies every byte of both pools.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,16 +15,17 @@ use kvfabric_engine::{
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::args::TransportArg;
-use crate::ceiling::{self, Ceiling};
+use crate::args::{CorruptArg, TransportArg};
+use crate::bound::Bound;
 use crate::control::{ControlClient, ControlExchange, Reply, Request};
 use crate::error::{Error, Result};
-use crate::pattern::{self, Expectation};
+use crate::pattern;
 use crate::report::Row;
-use crate::stats::percentile;
+use crate::stats::{median, percentile};
+use crate::verify::{Written, settle};
 use kvfabric_proto::bytesize::human;
 
-/// kvfabric and the ceiling take turns this many times within a row.
+/// kvfabric and its bound take turns this many times within a row.
 const ROUNDS: usize = 3;
 
 #[derive(Debug, Clone)]
@@ -76,6 +77,15 @@ impl RowPlan {
                 "--bidirectional needs an even number (half pull, half push)",
             ));
         }
+        // The verifier compares whole blocks: a tail would be bytes no row writes and no check
+        // names.
+        if !self.pool_bytes.is_multiple_of(self.block_size) {
+            return Err(Error::config(
+                "pool-bytes",
+                self.pool_bytes,
+                format!("not a whole number of {} blocks", human(self.block_size)),
+            ));
+        }
         let blocks = self.pool_bytes / self.block_size;
         // Bidirectional rows read sources from the lower half of each pool and write into the
         // upper half, so neither direction overwrites what the other is still reading.
@@ -113,6 +123,8 @@ pub struct Initiator {
     pub control_addr: SocketAddr,
     pub control: ControlClient,
     pub quiet: bool,
+    /// The test hook `--test-corrupt`.
+    pub corrupt: Option<CorruptArg>,
 }
 
 impl Initiator {
@@ -132,6 +144,7 @@ impl Initiator {
             control_addr,
             control,
             quiet,
+            corrupt: None,
         })
     }
 
@@ -220,83 +233,36 @@ impl Initiator {
             duration: plan.duration / ROUNDS as f64,
             ..plan.clone()
         };
-        let mut ceiling_kit = CeilingKit::new(plan, selection.kind, &self.engine)?;
+        let mut bound = Bound::new(plan, selection.kind, &self.engine)?;
         let mut timed = Timed::default();
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        let mut ours = Vec::new();
         for _ in 0..ROUNDS {
             let t = self
                 .timed(&round, &peer, local.id(), &remote, &label)
                 .await?;
             ours.push(t.bytes as f64 / t.seconds / 1e9);
             timed.absorb(t);
-            theirs.push(
-                ceiling_kit
-                    .measure(self.control_addr, round.duration)
-                    .await?,
-            );
+            tokio::task::block_in_place(|| bound.measure_round(self.control_addr, round.duration))?;
         }
-        drop(ceiling_kit);
-
-        // Verify after the timed phase: every destination byte, written or not. Pulled data
-        // lands in the local pool, pushed data in the target's.
-        let mut verdicts = Vec::new();
-        if !timed.read_written.is_empty() {
-            let expectation = Expectation {
-                block_size: plan.block_size,
-                source_seed: remote_seed,
-                poison_seed: local_seed,
-                written: std::mem::take(&mut timed.read_written),
-            };
-            verdicts.push(("read", expectation.verify_region(&local)?));
+        let row = format!("{label} {op_label} {}", human(plan.block_size));
+        let written = Written {
+            local: std::mem::take(&mut timed.read_written),
+            remote: std::mem::take(&mut timed.write_written),
+        };
+        if let Some(what) = self.corrupt {
+            self.corrupt(what, plan, &local, &remote, &written)?;
         }
-        if !timed.write_written.is_empty() {
-            let expectation = Expectation {
-                block_size: plan.block_size,
-                source_seed: local_seed,
-                poison_seed: remote_seed,
-                written: std::mem::take(&mut timed.write_written),
-            };
-            match self.control.call(&Request::Verify {
-                region: remote.id,
-                expectation,
-            })? {
-                Reply::Verified { verdict } => verdicts.push(("write", verdict)),
-                other => {
-                    return Err(Error::Control {
-                        peer: self.control_addr.to_string(),
-                        reason: format!("expected verified, got {other:?}"),
-                    });
-                }
-            }
-        }
+        let verdicts = self.verify_pools(plan, &local, &remote, (local_seed, remote_seed), written);
         drop(peer);
         self.control.call(&Request::Release { region: remote.id })?;
-
         self.engine.deregister(local.id()).await?;
-        for (what, verdict) in verdicts {
-            if verdict.mismatches > 0 {
-                return Err(Error::Verify {
-                    row: format!("{label} {op_label} ({what}) {}", human(plan.block_size)),
-                    mismatches: verdict.mismatches,
-                    first: verdict.first.unwrap_or_default(),
-                });
-            }
-        }
+        let verified = settle(&row, verdicts?)?;
 
         let mut lat = timed.latencies;
         let p50 = percentile(&mut lat, 0.5).as_secs_f64() * 1e6;
         let p99 = percentile(&mut lat, 0.99).as_secs_f64() * 1e6;
         let gbps = median(&mut ours);
-        let ceiling_gbps = median(&mut theirs.iter().map(|c| c.gbps).collect::<Vec<_>>());
-        let ceiling_p50 = theirs
-            .iter()
-            .map(|c| c.p50_us)
-            .collect::<Option<Vec<f64>>>()
-            .map(|mut v| median(&mut v));
-        let ratio = match ceiling_p50 {
-            Some(c) => c / p50,
-            None => gbps / ceiling_gbps,
-        };
+        let judged = bound.judge(gbps, p50);
         Ok(Row {
             transport: label,
             selection: selection.reason,
@@ -310,12 +276,15 @@ impl Initiator {
             gbps,
             p50_us: p50,
             p99_us: p99,
-            verified: true,
+            verified,
             checksum: plan.checksum,
-            ceiling_name: theirs[0].name.clone(),
-            ceiling_gbps,
-            ceiling_p50_us: ceiling_p50,
-            ratio,
+            ceiling_name: judged.best.name,
+            ceiling_gbps: judged.best.gbps,
+            ceiling_p50_us: judged.best.p50_us,
+            ratio: judged.ratio,
+            ceiling_bug: judged.ceiling_bug,
+            bound: judged.parts,
+            same_shape: judged.same_shape,
         })
     }
 
@@ -487,164 +456,6 @@ impl Timed {
         self.latencies.extend(later.latencies);
         self.read_written.extend(later.read_written);
         self.write_written.extend(later.write_written);
-    }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// What a row's ceiling needs, prepared once and measured once per round.
-enum CeilingKit {
-    /// Two private pools of the row's size: the memcpy must not touch the row's own memory.
-    Memcpy {
-        src: Vec<u8>,
-        dst: Vec<u8>,
-        block: usize,
-        per_batch: usize,
-    },
-    PingPong {
-        size: u64,
-    },
-    Stream(ceiling::StreamShape),
-    /// Rdma: the line rate of the engine's ports (sysfs `rate`), not measured here; the
-    /// measured ceiling is perftest's `ib_write_bw`/`ib_read_bw` on the same NICs (docs/rdma.md).
-    LineRate {
-        name: String,
-        gbps: f64,
-    },
-    /// The same bytes between the same GPUs as one contiguous peer copy (or, for a latency
-    /// row, one small peer copy and its synchronisation).
-    PeerCopy {
-        dst: u32,
-        src: u32,
-        bytes: u64,
-        /// Latency rows: (block size, pool size).
-        latency: Option<(u64, u64)>,
-    },
-}
-
-impl CeilingKit {
-    fn new(plan: &RowPlan, kind: TransportKind, engine: &Engine) -> Result<Self> {
-        let config = engine.config();
-        Ok(match kind {
-            TransportKind::Rdma => {
-                let nics = engine.rdma_devices()?;
-                let known: Vec<f64> = nics.iter().filter_map(|n| n.rate_gbps).collect();
-                CeilingKit::LineRate {
-                    name: format!("line rate {}×NIC", nics.len()),
-                    // Gb/s of the ports → GB/s like the rows; NaN (null in JSON) when unknown.
-                    gbps: if known.len() == nics.len() {
-                        known.iter().sum::<f64>() / 8.0
-                    } else {
-                        f64::NAN
-                    },
-                }
-            }
-            TransportKind::CudaIpc => {
-                let device = |l: Location| match l {
-                    Location::Cuda { device } => device,
-                    Location::Host { .. } => 0,
-                };
-                let (here, there) = (device(plan.location), device(plan.peer_location));
-                let (dst, src) = match plan.op {
-                    Opcode::Read if !plan.bidirectional => (here, there),
-                    _ => (there, here),
-                };
-                CeilingKit::PeerCopy {
-                    dst,
-                    src,
-                    bytes: plan.block_size * plan.per_batch as u64,
-                    latency: plan
-                        .is_latency()
-                        .then_some((plan.block_size, plan.pool_bytes)),
-                }
-            }
-            TransportKind::Shm => {
-                let bs = plan.block_size as usize;
-                // Real data on both sides: never copy from untouched zero pages.
-                let mut src = vec![0u8; plan.pool_bytes as usize];
-                pattern::fill_pool(5, bs, &mut src);
-                let mut dst = vec![0u8; plan.pool_bytes as usize];
-                pattern::fill_pool(6, bs, &mut dst);
-                CeilingKit::Memcpy {
-                    src,
-                    dst,
-                    block: bs,
-                    per_batch: plan.per_batch,
-                }
-            }
-            _ if plan.is_latency() => CeilingKit::PingPong {
-                size: plan.block_size,
-            },
-            _ => CeilingKit::Stream(ceiling::StreamShape {
-                towards_target: plan.op == Opcode::Write,
-                streams: config.tcp_connections,
-                pool_bytes: plan.pool_bytes,
-                block_size: plan.block_size,
-            }),
-        })
-    }
-
-    async fn measure(&mut self, control: SocketAddr, secs: f64) -> Result<Ceiling> {
-        let join = |e: tokio::task::JoinError| Error::io("ceiling", std::io::Error::other(e));
-        match self {
-            CeilingKit::Memcpy {
-                src,
-                dst,
-                block,
-                per_batch,
-            } => Ok(tokio::task::block_in_place(|| {
-                ceiling::memcpy(src, dst, *block, *per_batch, secs)
-            })),
-            CeilingKit::LineRate { name, gbps } => Ok(Ceiling {
-                name: name.clone(),
-                gbps: *gbps,
-                p50_us: None,
-            }),
-            CeilingKit::PingPong { size } => {
-                let size = *size;
-                tokio::task::spawn_blocking(move || ceiling::tcp_ping_pong(control, size, secs))
-                    .await
-                    .map_err(join)?
-            }
-            CeilingKit::Stream(shape) => {
-                let shape = *shape;
-                tokio::task::spawn_blocking(move || ceiling::tcp_stream(control, shape, secs))
-                    .await
-                    .map_err(join)?
-            }
-            CeilingKit::PeerCopy {
-                dst,
-                src,
-                bytes,
-                latency,
-            } => {
-                let (dst, src, bytes, latency) = (*dst, *src, *bytes, *latency);
-                tokio::task::spawn_blocking(move || -> Result<Ceiling> {
-                    Ok(match latency {
-                        Some((size, pool)) => {
-                            let us = kvfabric_engine::cuda::peer_copy_latency_us(
-                                dst, src, size, pool, 2000,
-                            )?;
-                            Ceiling {
-                                name: "cuMemcpyPeerAsync+sync".into(),
-                                gbps: size as f64 / us / 1e3,
-                                p50_us: Some(us),
-                            }
-                        }
-                        None => Ceiling {
-                            name: "cuMemcpyPeerAsync contiguous".into(),
-                            gbps: kvfabric_engine::cuda::peer_copy_gbps(dst, src, bytes, 20)?,
-                            p50_us: None,
-                        },
-                    })
-                })
-                .await
-                .map_err(join)?
-            }
-        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! `kvfabric bench`: kvfabric against the ceiling of the same path, in the same run.
 
 pub mod args;
+mod bound;
 mod ceiling;
 pub mod control;
 mod error;
@@ -13,6 +14,7 @@ mod scatter;
 mod server;
 mod stats;
 mod through_agent;
+mod verify;
 
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -31,7 +33,7 @@ use crate::args::{BenchArgs, OpArg, SelftestArgs, TransportArg};
 use initiator::Initiator;
 use layout::Layout;
 
-/// The single-block row: how long one 4 KiB pull takes, against a raw TCP ping-pong.
+/// The single-block row: how long one 4 KiB pull takes, against the fastest raw TCP ping-pong.
 const LATENCY_BLOCK: u64 = 4096;
 
 /// `kvfabric bench`: installs the log subscriber (and, with `--trace`, exports every span to an
@@ -90,11 +92,7 @@ async fn run(args: BenchArgs, telemetry: &Telemetry) -> Result<()> {
         cuda_spin: args.cuda_spin,
         staging_bytes: args.staging_bytes,
         // --cuda-spin is the lowest-latency setting: the waiting slot polls briefly too.
-        spin_wait: if args.cuda_spin {
-            Duration::from_micros(200)
-        } else {
-            Duration::ZERO
-        },
+        spin_wait: args.spin_wait(),
         rdma: RdmaConfig {
             enabled: rdma,
             ..RdmaConfig::default()
@@ -128,7 +126,7 @@ async fn run(args: BenchArgs, telemetry: &Telemetry) -> Result<()> {
             (addr, Some(child))
         }
     };
-    let result = run_rows(engine, control, &plans, args.json).await;
+    let result = run_rows(engine, control, &plans, &args).await;
     if let Some(child) = child.as_mut() {
         stop_target(child).await;
     }
@@ -143,13 +141,14 @@ async fn run_rows(
     engine: Engine,
     control: SocketAddr,
     plans: &[RowPlan],
-    json: bool,
+    args: &BenchArgs,
 ) -> Result<Vec<Row>> {
-    let mut initiator = Initiator::new(engine, control, json)?;
+    let mut initiator = Initiator::new(engine, control, args.json)?;
+    initiator.corrupt = args.test_corrupt;
     let mut rows = Vec::new();
     for plan in plans {
         let row = initiator.run_row(plan).await?;
-        if json {
+        if args.json {
             println!("{}", serde_json::to_string(&row).expect("row serializes"));
         }
         rows.push(row);
@@ -238,6 +237,9 @@ async fn spawn_target(args: &BenchArgs) -> Result<(SocketAddr, Child)> {
         .kill_on_drop(true);
     if let Some(key) = args.key {
         cmd.arg("--key").arg(key.to_string());
+    }
+    if let Some(us) = args.busy_poll_us {
+        cmd.arg("--busy-poll-us").arg(us.to_string());
     }
     if args.transport == Some(TransportArg::Rdma) {
         // The target registers its pools with its NICs only when told.

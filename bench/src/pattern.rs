@@ -51,7 +51,7 @@ pub fn alloc_pool(
 }
 
 /// What a destination pool must hold after a run: the source block last written into each
-/// destination block, poison everywhere else.
+/// destination block, its own fill (the poison) everywhere else.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Expectation {
     pub block_size: u64,
@@ -61,16 +61,22 @@ pub struct Expectation {
     pub written: Vec<(u32, u32)>,
 }
 
+/// A verdict names at most this many bad places.
+const NAMED: usize = 4;
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Verdict {
-    pub blocks_checked: u64,
+    /// Bytes compared with what they must hold.
+    pub bytes_checked: u64,
+    /// Bad blocks (host pools) or bad 8-byte words (GPU pools).
     pub mismatches: u64,
-    pub first: Option<String>,
+    /// The first few bad places, each naming its block.
+    pub bad: Vec<String>,
 }
 
 impl Expectation {
     /// For each of `blocks` destination blocks, the source block written into it, or u32::MAX
-    /// where it must still hold poison (the GPU verify kernel's input).
+    /// where it must still hold its own fill (the GPU verify kernel's input).
     pub fn source_of(&self, blocks: usize) -> Vec<u32> {
         let mut source = vec![u32::MAX; blocks];
         for &(d, s) in &self.written {
@@ -91,6 +97,7 @@ impl Expectation {
             // SAFETY: the bench verifies only after every batch has completed.
             return Ok(self.verify(unsafe { region.as_slice() }));
         }
+        // Pools are whole numbers of blocks (refused otherwise), so the blocks cover the pool.
         let blocks = (region.len() / self.block_size) as usize;
         let v = kvfabric_engine::cuda::verify(
             region,
@@ -101,58 +108,80 @@ impl Expectation {
         )?;
         let words = self.block_size / 8;
         Ok(Verdict {
-            blocks_checked: blocks as u64,
+            bytes_checked: blocks as u64 * self.block_size,
             mismatches: v.bad_words,
-            first: v.first_bad_word.map(|w| {
-                format!(
-                    "{} bad 8-byte words; first in destination block {} at +{}",
-                    v.bad_words,
-                    w / words,
-                    w % words * 8
-                )
-            }),
+            bad: v
+                .first_bad_word
+                .map(|w| {
+                    format!(
+                        "{} bad 8-byte words; first in block {} at +{}",
+                        v.bad_words,
+                        w / words,
+                        w % words * 8
+                    )
+                })
+                .into_iter()
+                .collect(),
         })
     }
 
-    /// Compares every byte of `pool` (including blocks that must still hold poison).
+    /// Compares every byte of `pool`, a short last block too: each block must hold the source
+    /// block last written into it, or its own fill where nothing was.
     pub fn verify(&self, pool: &[u8]) -> Verdict {
         let bs = self.block_size as usize;
-        let blocks = pool.len() / bs;
-        let mut source: Vec<u32> = vec![u32::MAX; blocks];
-        for &(d, s) in &self.written {
-            if let Some(slot) = source.get_mut(d as usize) {
-                *slot = s;
-            }
-        }
+        let source = self.source_of(pool.len().div_ceil(bs));
         let mut expected = vec![0u8; bs];
         let mut verdict = Verdict {
-            blocks_checked: 0,
+            bytes_checked: 0,
             mismatches: 0,
-            first: None,
+            bad: Vec::new(),
         };
-        for (i, got) in pool.chunks_exact(bs).enumerate() {
-            let (seed, block, what) = match source[i] {
-                u32::MAX => (self.poison_seed, i as u64, "poison (never written)"),
-                s => (self.source_seed, s as u64, "source block"),
+        for (i, got) in pool.chunks(bs).enumerate() {
+            let want = &mut expected[..got.len()];
+            let (seed, block) = match source[i] {
+                u32::MAX => (self.poison_seed, i as u64),
+                s => (self.source_seed, s as u64),
             };
-            fill_block(seed, block, &mut expected);
-            verdict.blocks_checked += 1;
-            if got != expected.as_slice() {
+            fill_block(seed, block, want);
+            verdict.bytes_checked += got.len() as u64;
+            if got != &*want {
                 verdict.mismatches += 1;
-                if verdict.first.is_none() {
-                    let at = got
-                        .iter()
-                        .zip(&expected)
-                        .position(|(a, b)| a != b)
-                        .unwrap_or(0);
-                    verdict.first = Some(format!(
-                        "destination block {i} should hold {what} {block}; first bad byte at +{at}"
+                if verdict.bad.len() < NAMED {
+                    let at = got.iter().zip(&*want).position(|(a, b)| a != b);
+                    let what = match source[i] {
+                        u32::MAX => "its own fill (never written)".to_string(),
+                        s => format!("source block {s}"),
+                    };
+                    verdict.bad.push(format!(
+                        "block {i} should hold {what}, first bad byte at +{}",
+                        at.unwrap_or(0)
                     ));
                 }
             }
         }
         verdict
     }
+}
+
+/// Test hook: XORs one byte of a host pool after the timed phase, as a stray write would.
+pub fn poke(region: &kvfabric_engine::Region, offset: u64, xor: u8) -> crate::Result<()> {
+    if region.device_ptr().is_some() {
+        return Err(crate::Error::config(
+            "test-corrupt",
+            region.location(),
+            "the test hook changes host pools only",
+        ));
+    }
+    if offset >= region.len() {
+        return Err(crate::Error::config(
+            "test-corrupt",
+            offset,
+            format!("outside the pool of {} bytes", region.len()),
+        ));
+    }
+    // SAFETY: called between rows (no transfer in flight); the byte is inside the region.
+    unsafe { region.as_mut_slice()[offset as usize] ^= xor };
+    Ok(())
 }
 
 #[cfg(test)]
@@ -173,15 +202,51 @@ mod tests {
             poison_seed: 2,
             written: vec![(3, 5)],
         };
-        assert_eq!(exp.verify(&dst).mismatches, 0);
+        let clean = exp.verify(&dst);
+        assert_eq!(clean.mismatches, 0);
+        assert_eq!(clean.bytes_checked, dst.len() as u64);
         let mut flipped = dst.clone();
         flipped[3 * bs + 7] ^= 1;
         let v = exp.verify(&flipped);
         assert_eq!(v.mismatches, 1);
-        assert!(v.first.unwrap().contains("+7"));
+        assert_eq!(
+            v.bad,
+            ["block 3 should hold source block 5, first bad byte at +7"]
+        );
         let mut stray = dst.clone();
-        stray[0] ^= 0xff;
-        assert_eq!(exp.verify(&stray).mismatches, 1);
+        stray[6 * bs + 2] ^= 0xff;
+        stray[3 * bs] ^= 0xff;
+        let v = exp.verify(&stray);
+        assert_eq!(v.mismatches, 2);
+        assert_eq!(
+            v.bad,
+            [
+                "block 3 should hold source block 5, first bad byte at +0",
+                "block 6 should hold its own fill (never written), first bad byte at +2",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_short_last_block_is_checked_too() {
+        let (bs, len) = (64, 64 * 3 + 10);
+        let mut pool = vec![0u8; len];
+        fill_pool(4, bs, &mut pool);
+        let exp = Expectation {
+            block_size: bs as u64,
+            source_seed: 1,
+            poison_seed: 4,
+            written: vec![],
+        };
+        assert_eq!(exp.verify(&pool).bytes_checked, len as u64);
+        assert_eq!(exp.verify(&pool).mismatches, 0);
+        pool[len - 1] ^= 1;
+        let v = exp.verify(&pool);
+        assert_eq!(v.mismatches, 1);
+        assert_eq!(
+            v.bad,
+            ["block 3 should hold its own fill (never written), first bad byte at +9"]
+        );
     }
 
     #[test]

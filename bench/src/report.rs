@@ -4,6 +4,7 @@ use comfy_table::presets::UTF8_FULL_CONDENSED;
 use comfy_table::{CellAlignment, Table};
 use serde::Serialize;
 
+use crate::ceiling::Ceiling;
 use kvfabric_proto::bytesize::human;
 
 #[derive(Debug, Clone, Serialize)]
@@ -20,14 +21,23 @@ pub struct Row {
     pub gbps: f64,
     pub p50_us: f64,
     pub p99_us: f64,
-    pub verified: bool,
+    /// Bytes compared with what they must hold after the timed phase: every byte of both pools
+    /// (the destination's written and unwritten blocks, the source's for stray writes).
+    pub verified: u64,
     pub checksum: bool,
+    /// The bound: the best raw variant of the path (see `bound`).
     pub ceiling_name: String,
     pub ceiling_gbps: f64,
-    /// For latency rows: the ceiling's median round trip.
+    /// For latency rows: the bound's p50 round trip (of its best round).
     pub ceiling_p50_us: Option<f64>,
-    /// kvfabric / ceiling (for latency rows: ceiling p50 / kvfabric p50).
+    /// kvfabric / bound (for latency rows: bound p50 / kvfabric p50).
     pub ratio: f64,
+    /// The ratio is above 100%: the bound is not the limit of the path (a bug of the bench).
+    pub ceiling_bug: bool,
+    /// Every variant the bound is the best of, each at its best round.
+    pub bound: Vec<Ceiling>,
+    /// The row's own shape without kvfabric, where measured (not part of the bound).
+    pub same_shape: Option<Ceiling>,
 }
 
 pub fn table(rows: &[Row]) -> String {
@@ -44,15 +54,21 @@ pub fn table(rows: &[Row]) -> String {
         "p50 µs",
         "p99 µs",
         "verified",
-        "ceiling",
-        "ceiling",
+        "bound",
+        "bound",
         "ratio",
+        "same shape",
     ]);
+    let value = |c: &Ceiling| match c.p50_us {
+        Some(p50) => format!("{p50:.1} µs"),
+        None => format!("{:.2} GB/s", c.gbps),
+    };
     for r in rows {
         let ceiling = match r.ceiling_p50_us {
             Some(p50) => format!("{p50:.1} µs"),
             None => format!("{:.2} GB/s", r.ceiling_gbps),
         };
+        let ratio = format!("{:.0}%", r.ratio * 100.0);
         t.add_row([
             r.transport.clone(),
             r.op.clone(),
@@ -63,16 +79,89 @@ pub fn table(rows: &[Row]) -> String {
             format!("{:.2}", r.gbps),
             format!("{:.1}", r.p50_us),
             format!("{:.1}", r.p99_us),
-            if r.verified { "every byte" } else { "FAILED" }.to_string(),
+            human(r.verified),
             r.ceiling_name.clone(),
             ceiling,
-            format!("{:.0}%", r.ratio * 100.0),
+            if r.ceiling_bug {
+                format!("{ratio} CEILING BUG")
+            } else {
+                ratio
+            },
+            r.same_shape.as_ref().map(value).unwrap_or_default(),
         ]);
     }
-    for i in [5, 6, 7, 8, 11, 12] {
+    for i in [5, 6, 7, 8, 9, 11, 12, 13] {
         if let Some(c) = t.column_mut(i) {
             c.set_cell_alignment(CellAlignment::Right);
         }
     }
-    t.to_string()
+    let mut out = t.to_string();
+    for r in rows.iter().filter(|r| r.ceiling_bug) {
+        out.push_str(&format!(
+            "\nceiling bug: {} {} {} reached {:.0}% of its bound ({}): the bound is not the limit of the path",
+            r.transport,
+            r.op,
+            human(r.block_size),
+            r.ratio * 100.0,
+            r.ceiling_name
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(op: &str, gbps: f64, bound: f64) -> Row {
+        let part = Ceiling {
+            name: "raw tcp ×1 hot".into(),
+            gbps: bound,
+            p50_us: None,
+        };
+        Row {
+            transport: "tcp".into(),
+            selection: String::new(),
+            op: op.into(),
+            block_size: 64 << 10,
+            blocks_per_batch: 16,
+            concurrency: 4,
+            batches: 10,
+            bytes: 10 * 16 * (64 << 10),
+            seconds: 1.0,
+            gbps,
+            p50_us: 100.0,
+            p99_us: 200.0,
+            verified: 8 << 20,
+            checksum: false,
+            ceiling_name: part.name.clone(),
+            ceiling_gbps: bound,
+            ceiling_p50_us: None,
+            ratio: gbps / bound,
+            ceiling_bug: gbps > bound,
+            bound: vec![part],
+            same_shape: None,
+        }
+    }
+
+    #[test]
+    fn a_row_above_its_bound_is_flagged_in_the_table_and_the_json() {
+        let rows = [row("write", 1.0, 2.0), row("read", 3.0, 2.0)];
+        let out = table(&rows);
+        assert_eq!(out.matches("CEILING BUG").count(), 1, "{out}");
+        assert!(out.contains("150% CEILING BUG"), "{out}");
+        assert!(out.contains("50%"), "{out}");
+        let notes: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with("ceiling bug:"))
+            .collect();
+        assert_eq!(notes.len(), 1, "{out}");
+        assert!(
+            notes[0].contains("tcp read 64 KiB reached 150% of its bound (raw tcp ×1 hot)"),
+            "{out}"
+        );
+        let json = |r: &Row| serde_json::to_value(r).unwrap();
+        assert_eq!(json(&rows[0])["ceiling_bug"], false);
+        assert_eq!(json(&rows[1])["ceiling_bug"], true);
+    }
 }

@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::args::{BenchArgs, TransportArg};
+use crate::ceiling;
 use crate::control::{Reply, Request};
 use crate::error::{Error, Result};
 use crate::pattern;
@@ -32,6 +33,7 @@ pub async fn run(
         segment_key: args.key,
         tcp_connections: args.connections,
         staging_bytes: args.staging_bytes,
+        spin_wait: args.spin_wait(),
         // Pools are registered with the NICs (pinned) only for an rdma run.
         rdma: RdmaConfig {
             enabled: args.transport == Some(TransportArg::Rdma),
@@ -143,10 +145,10 @@ fn serve_control(engine: &Engine, rt: &tokio::runtime::Handle, stream: TcpStream
             Ok(Request::Sink { bytes, .. } | Request::Source { bytes, .. }) => Reply::Error {
                 message: format!("ceiling pool of {bytes} bytes exceeds {MAX_SCRATCH}"),
             },
-            Ok(Request::PingPong { size }) if size <= MAX_PING => {
-                return ping_pong(reader, out, size);
+            Ok(Request::PingPong { size, spin }) if size <= MAX_PING => {
+                return ping_pong(reader, out, size, spin);
             }
-            Ok(Request::PingPong { size }) => Reply::Error {
+            Ok(Request::PingPong { size, .. }) => Reply::Error {
                 message: format!("ping-pong size {size} exceeds {MAX_PING}"),
             },
             Ok(req) => handle(engine, rt, req).unwrap_or_else(|e| Reply::Error {
@@ -178,6 +180,15 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
                     "must be 1..=pool bytes",
                 ));
             }
+            // The verifier compares whole blocks: a tail would be a part of the pool no row
+            // writes and no check names.
+            if !bytes.is_multiple_of(block_size) {
+                return Err(Error::config(
+                    "bytes",
+                    bytes,
+                    format!("not a whole number of {block_size}-byte blocks"),
+                ));
+            }
             let region = pattern::alloc_pool(engine, location, bytes, block_size, seed)?;
             Reply::Prepared {
                 descriptor: engine.descriptor(),
@@ -192,6 +203,14 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
             let region = engine.region(region)?;
             let verdict = expectation.verify_region(&region)?;
             Reply::Verified { verdict }
+        }
+        Request::Poke {
+            region,
+            offset,
+            xor,
+        } => {
+            pattern::poke(&*engine.region(region)?, offset, xor)?;
+            Reply::Poked
         }
         Request::Release { region } => {
             rt.block_on(engine.deregister(region))?;
@@ -239,11 +258,28 @@ fn source(mut out: TcpStream, mut pool: Scatter) -> Result<()> {
     Ok(())
 }
 
-fn ping_pong(mut reader: BufReader<TcpStream>, mut out: TcpStream, size: u64) -> Result<()> {
+fn ping_pong(
+    mut reader: BufReader<TcpStream>,
+    mut out: TcpStream,
+    size: u64,
+    spin: bool,
+) -> Result<()> {
     ready(&mut out)?;
     let mut reply = vec![0u8; size as usize];
     pattern::fill_block(7, 0, &mut reply);
     let mut req = [0u8; 32];
+    if spin {
+        // The client waits for `ready` before its first request: nothing is buffered yet.
+        let mut s = reader.into_inner();
+        s.set_nonblocking(true)
+            .map_err(|e| Error::io("ping-pong", e))?;
+        while ceiling::read_exact_spinning(&mut s, &mut req, ceiling::SPIN_IDLE).is_ok() {
+            if ceiling::write_all_spinning(&mut s, &reply).is_err() {
+                break;
+            }
+        }
+        return Ok(());
+    }
     while reader.read_exact(&mut req).is_ok() {
         if out.write_all(&reply).is_err() {
             break;

@@ -1,25 +1,32 @@
 //! `kvfabric bench --through-agent`: the same pulls, once engine to engine and once worker →
 //! local agent → peer agent → worker memory (two agents in this process on a shared in-memory
-//! registry, tcp on loopback), alternating rounds, every destination byte verified.
+//! registry, tcp on loopback), alternating rounds; every destination byte verified after each
+//! phase, the source pool at the end.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvfabric_engine::{AccessKey, Batch, BlockOp, Engine, EngineConfig, Preference, TransportKind};
+use rand::SeedableRng;
 use rand::seq::SliceRandom;
-use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::args::BenchArgs;
+use crate::args::{BenchArgs, CorruptArg};
 use crate::error::{Error, Result};
+use crate::pattern::{self, Expectation, Verdict};
+use crate::stats::median;
+use crate::verify::settle;
 use kvfabric_agent::registry::memory::MemoryStore;
 use kvfabric_agent::telemetry::Telemetry;
 use kvfabric_client::{Client, HostMemory, Op};
 use kvfabric_testkit::InProcessAgent;
 
 const ROUNDS: usize = 3;
+/// Fills of the source pool and (the poison) of the destination.
+const SOURCE_SEED: u64 = 7;
+const POISON_SEED: u64 = 8;
 
 #[derive(Debug, Serialize)]
 pub struct Report {
@@ -32,7 +39,9 @@ pub struct Report {
     pub agent_median_gbps: f64,
     /// through the agents / engine only.
     pub ratio: f64,
-    pub verified: bool,
+    /// Bytes compared with what they must hold: the destination after every phase, the source
+    /// at the end.
+    pub verified: u64,
     /// Every span exported (100% sampling) to an in-process OTLP receiver.
     pub tracing: bool,
     pub spans_exported: u64,
@@ -46,36 +55,59 @@ fn dup(m: &HostMemory) -> Result<OwnedFd> {
         .map_err(|e| Error::io("dup memfd", e))
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    s[s.len() / 2]
-}
-
 pub async fn run(
     args: &BenchArgs,
     telemetry: &Telemetry,
     block: u64,
     per_batch: usize,
 ) -> Result<Report> {
+    if block == 0 {
+        return Err(Error::config("block-size", 0, "must be positive"));
+    }
     let batch_bytes = block * per_batch as u64;
     let pool = args.pool_bytes.max(batch_bytes);
-    let blocks_in_pool = pool / block;
+    // The verifier compares whole blocks: a tail would be bytes no check names.
+    if !pool.is_multiple_of(block) {
+        return Err(Error::config(
+            "pool-bytes",
+            pool,
+            format!(
+                "not a whole number of {} blocks",
+                kvfabric_proto::bytesize::human(block)
+            ),
+        ));
+    }
+    let blocks_in_pool = u32::try_from(pool / block)
+        .map_err(|_| Error::config("pool-bytes", pool, "more than 2^32 blocks"))?;
     let src = HostMemory::alloc(pool)?;
     let dst = HostMemory::alloc(batch_bytes)?;
     // SAFETY: fresh memory, nothing transfers yet.
-    rand::rngs::SmallRng::seed_from_u64(7).fill_bytes(unsafe { src.as_mut_slice() });
-    let mut places: Vec<u64> = (0..blocks_in_pool).collect();
+    pattern::fill_pool(SOURCE_SEED, block as usize, unsafe { src.as_mut_slice() });
+    let mut places: Vec<u32> = (0..blocks_in_pool).collect();
     places.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(8));
-    let ops: Vec<Op> = (0..per_batch as u64)
-        .map(|i| Op {
+    places.truncate(per_batch);
+    let ops: Vec<Op> = places
+        .iter()
+        .enumerate()
+        .map(|(i, &place)| Op {
             local_region: 0,
-            local_offset: i * block,
+            local_offset: i as u64 * block,
             remote_region: 0,
-            remote_offset: places[i as usize] * block,
+            remote_offset: u64::from(place) * block,
             len: block,
         })
         .collect();
+    // Destination block i must hold source block places[i] after every phase.
+    let expectation = Expectation {
+        block_size: block,
+        source_seed: SOURCE_SEED,
+        poison_seed: POISON_SEED,
+        written: places
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| (i as u32, p))
+            .collect(),
+    };
 
     // Engine to engine.
     let engine_cfg = |name: &str| EngineConfig {
@@ -145,40 +177,64 @@ pub async fn run(
 
     let slice = Duration::from_secs_f64((args.duration / ROUNDS as f64).max(0.5));
     let (mut engine_gbps, mut agent_gbps) = (Vec::new(), Vec::new());
-    let mut verified = true;
-    for _ in 0..ROUNDS {
+    let mut verdicts: Vec<(String, Verdict)> = Vec::new();
+    let poison = || {
         // SAFETY: no transfer in flight between phases.
-        unsafe { dst.as_mut_slice() }.fill(0);
+        pattern::fill_pool(POISON_SEED, block as usize, unsafe { dst.as_mut_slice() });
+    };
+    let check = |phase: &str, round: usize| {
+        // SAFETY: called after every batch of the phase completed.
+        let verdict = expectation.verify(unsafe { dst.as_slice() });
+        (
+            format!("destination after {phase}, round {}", round + 1),
+            verdict,
+        )
+    };
+    for round in 0..ROUNDS {
+        poison();
         let bytes = timed(args.concurrency, slice, |_| {
             let (peer, ops) = (peer.clone(), engine_ops.clone());
             async move { Ok(peer.submit(Batch::read(ops))?.wait().await?.bytes) }
         })
         .await?;
         engine_gbps.push(bytes);
-        verified &= matches(&ops, &dst, &src);
+        verdicts.push(check("engine → engine", round));
 
-        // SAFETY: as above.
-        unsafe { dst.as_mut_slice() }.fill(0);
+        poison();
         let bytes = timed(args.concurrency, slice, |_| {
             let (decode, d, ops, key) = (decode.clone(), d.clone(), ops.clone(), p.key);
             async move { Ok(decode.read(&d, "bench-kv-src", key, &ops).await?.bytes) }
         })
         .await?;
         agent_gbps.push(bytes);
-        verified &= matches(&ops, &dst, &src);
+        if round == 0 && args.test_corrupt == Some(CorruptArg::Destination) {
+            corrupt(CorruptArg::Destination, &dst, block);
+        }
+        verdicts.push(check("the agents", round));
+    }
+    if args.test_corrupt == Some(CorruptArg::Source) {
+        corrupt(CorruptArg::Source, &src, block);
     }
     let _ = stop.send(true);
     b.stop().await?;
     a.stop().await?;
     let _ = serving.await;
-    let (e, a) = (median(&engine_gbps), median(&agent_gbps));
-    if !verified {
-        return Err(Error::Verify {
-            row: "through-agent".into(),
-            mismatches: 1,
-            first: "a destination block differs from its source".into(),
-        });
-    }
+    let source = Expectation {
+        block_size: block,
+        source_seed: SOURCE_SEED,
+        poison_seed: SOURCE_SEED,
+        written: Vec::new(),
+    };
+    // SAFETY: every transfer has ended.
+    verdicts.push((
+        "source pool".into(),
+        source.verify(unsafe { src.as_slice() }),
+    ));
+    let verified = settle("through-agent (tcp, loopback)", verdicts)?;
+    let (e, a) = (
+        median(&mut engine_gbps.clone()),
+        median(&mut agent_gbps.clone()),
+    );
     Ok(Report {
         block_size: block,
         blocks_per_batch: per_batch,
@@ -195,17 +251,18 @@ pub async fn run(
     })
 }
 
-fn matches(ops: &[Op], dst: &HostMemory, src: &HostMemory) -> bool {
-    // SAFETY: called after every batch of the phase completed.
-    let (d, s) = unsafe { (dst.as_slice(), src.as_slice()) };
-    ops.iter().all(|o| {
-        let (l, r, n) = (
-            o.local_offset as usize,
-            o.remote_offset as usize,
-            o.len as usize,
-        );
-        d[l..l + n] == s[r..r + n]
-    })
+/// The test hook (`--test-corrupt`): `Destination` flips one byte of destination block 0 after
+/// the first phase through the agents (every destination block is written here, so there is no
+/// untouched one to write into); `Source` writes one byte into source block 0 after the last.
+fn corrupt(what: CorruptArg, pool: &HostMemory, block: u64) {
+    let (name, at) = match what {
+        CorruptArg::Destination => ("destination", 1),
+        CorruptArg::Source => ("source", 3),
+    };
+    let at = at.min(block - 1) as usize;
+    // SAFETY: between phases; no transfer in flight.
+    unsafe { pool.as_mut_slice()[at] ^= 0x5a };
+    eprintln!("test hook (--test-corrupt): changed byte +{at} of {name} pool block 0");
 }
 
 /// Keeps `concurrency` batches in flight for `slice`; returns GB/s.
@@ -269,8 +326,8 @@ pub fn table(r: &Report) -> String {
         "tracing off".into()
     };
     format!(
-        "{t}\nthrough the agents: {:.1}% of engine only (target ≥ 95%); every byte verified: {}; {tracing}",
+        "{t}\nthrough the agents: {:.1}% of engine only (target ≥ 95%); verified: {} (every byte of the destination after each phase, and of the source); {tracing}",
         r.ratio * 100.0,
-        r.verified
+        kvfabric_proto::bytesize::human(r.verified)
     )
 }

@@ -13,8 +13,49 @@ fn rows(stdout: &[u8]) -> Vec<serde_json::Value> {
         .collect()
 }
 
+fn names(parts: &serde_json::Value) -> Vec<String> {
+    parts
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// A row's bound is the best of its parts, its ratio is against that, and a ratio above 100%
+/// is flagged.
+fn assert_bound_is_best_part(r: &serde_json::Value) {
+    let parts = r["bound"].as_array().unwrap();
+    let latency = r["ceiling_p50_us"].is_f64();
+    let best = if latency {
+        parts.iter().min_by(|a, b| {
+            a["p50_us"]
+                .as_f64()
+                .unwrap()
+                .total_cmp(&b["p50_us"].as_f64().unwrap())
+        })
+    } else {
+        parts.iter().max_by(|a, b| {
+            a["gbps"]
+                .as_f64()
+                .unwrap()
+                .total_cmp(&b["gbps"].as_f64().unwrap())
+        })
+    }
+    .unwrap();
+    assert_eq!(r["ceiling_name"], best["name"], "{r}");
+    let ratio = if latency {
+        r["ceiling_p50_us"].as_f64().unwrap() / r["p50_us"].as_f64().unwrap()
+    } else {
+        r["gbps"].as_f64().unwrap() / r["ceiling_gbps"].as_f64().unwrap()
+    };
+    assert!((r["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9, "{r}");
+    assert_eq!(r["ceiling_bug"], ratio > 1.0, "{r}");
+}
+
 #[test]
-fn small_run_verifies_every_row_and_reports_ceilings() {
+fn small_run_verifies_both_pools_and_reports_bounds() {
+    let pool: u64 = 8 << 20;
     let out = Command::new(BIN)
         .args([
             "bench",
@@ -57,10 +98,14 @@ fn small_run_verifies_every_row_and_reports_ceilings() {
             "ceiling_name",
             "ceiling_gbps",
             "ratio",
+            "ceiling_bug",
+            "bound",
+            "same_shape",
         ] {
             assert!(r.get(field).is_some(), "row lacks {field}: {r}");
         }
-        assert_eq!(r["verified"], true);
+        // Every byte of the destination and of the source pool.
+        assert_eq!(r["verified"], 2 * pool, "{r}");
         assert_eq!(r["block_size"], 16384);
         assert!(r["batches"].as_u64().unwrap() > 0);
         assert_eq!(
@@ -68,14 +113,252 @@ fn small_run_verifies_every_row_and_reports_ceilings() {
             r["batches"].as_u64().unwrap() * 32 * 16384
         );
         assert!(r["ceiling_gbps"].as_f64().unwrap() > 0.0);
+        assert_bound_is_best_part(r);
     }
     let kinds: Vec<&str> = rows
         .iter()
         .map(|r| r["transport"].as_str().unwrap())
         .collect();
     assert_eq!(kinds, ["tcp", "tcp", "shm", "shm"]);
-    assert_eq!(rows[0]["ceiling_name"], "raw tcp ×4");
-    assert_eq!(rows[2]["ceiling_name"], "memcpy 1 thread");
+    // tcp: raw streams on hot buffers, 1…4 of them (kvfabric's connections), and the row's own
+    // shape beside them.
+    for r in &rows[..2] {
+        assert_eq!(
+            names(&r["bound"]),
+            ["raw tcp ×1 hot", "raw tcp ×2 hot", "raw tcp ×4 hot"]
+        );
+        assert_eq!(r["same_shape"]["name"], "raw tcp ×4 same shape");
+    }
+    // shm: memcpy on as many threads as the engine copies with.
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .clamp(1, 8);
+    for r in &rows[2..] {
+        assert_eq!(
+            names(&r["bound"]),
+            [
+                format!("memcpy ×{threads} same shape"),
+                format!("memcpy ×{threads} contiguous")
+            ]
+        );
+    }
+}
+
+#[test]
+fn one_small_read_is_bound_by_the_faster_raw_ping_pong() {
+    let out = Command::new(BIN)
+        .args([
+            "bench",
+            "--json",
+            "--transport",
+            "tcp",
+            "--op",
+            "read",
+            "--duration",
+            "0.3",
+            "--pool-bytes",
+            "4MiB",
+            "--block-size",
+            "4KiB",
+            "--blocks-per-batch",
+            "1",
+            "--concurrency",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = rows(&out.stdout);
+    let r = &rows[0];
+    assert_eq!(
+        names(&r["bound"]),
+        ["raw tcp ping-pong blocking", "raw tcp ping-pong busy-poll"]
+    );
+    assert!(r["ceiling_p50_us"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["p99_us"].as_f64().unwrap() >= r["p50_us"].as_f64().unwrap());
+    assert_bound_is_best_part(r);
+}
+
+/// `--busy-poll-us`: the initiator polls for each reply and the target for each next request
+/// before sleeping; the frames stay in step (every byte of both pools verified), both ways.
+#[test]
+fn busy_polling_on_both_ends_keeps_every_byte_right() {
+    for op in ["read", "write"] {
+        let out = Command::new(BIN)
+            .args([
+                "bench",
+                "--json",
+                "--transport",
+                "tcp",
+                "--op",
+                op,
+                "--duration",
+                "0.3",
+                "--pool-bytes",
+                "4MiB",
+                "--block-size",
+                "4KiB",
+                "--blocks-per-batch",
+                "1",
+                "--concurrency",
+                "1",
+                "--checksum",
+                "--busy-poll-us",
+                "100",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r = &rows(&out.stdout)[0];
+        assert_eq!(r["verified"], 2 * (4 << 20), "{r}");
+        assert!(r["batches"].as_u64().unwrap() > 0, "{r}");
+    }
+}
+
+/// Runs a bench whose test hook breaks a pool after the timed phase: it must fail (exit 1) with
+/// the verifier naming every block the hook changed, in the pool it changed.
+fn fails_naming_the_blocks_changed(args: &[&str], hook: &str, pool: &str, bad: usize) {
+    let out = Command::new(BIN)
+        .args(args)
+        .args(["--test-corrupt", hook])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(out.stdout.is_empty(), "no rows for a failed run");
+    let changed: Vec<(String, u64, String)> = err
+        .lines()
+        .filter_map(|l| l.strip_prefix("test hook (--test-corrupt): changed byte +"))
+        .map(|l| {
+            let (at, rest) = l.split_once(" of ").unwrap();
+            let (block, _) = rest.split_once(" (").unwrap_or((rest, ""));
+            let block = block.rsplit(' ').next().unwrap().parse().unwrap();
+            (rest.to_string(), block, at.to_string())
+        })
+        .collect();
+    assert_eq!(changed.len(), bad, "{err}");
+    let failure = err
+        .lines()
+        .find(|l| l.contains("verification failed for"))
+        .unwrap_or_else(|| panic!("no verification failure: {err}"));
+    assert!(
+        failure.contains(&format!("{pool}: {bad} bad: ")),
+        "{failure}"
+    );
+    for (what, block, at) in changed {
+        assert!(
+            failure.contains(&format!("block {block} should hold"))
+                && failure.contains(&format!("first bad byte at +{at}")),
+            "{what}: {failure}"
+        );
+    }
+}
+
+/// Small tcp rows whose pool keeps blocks no batch wrote (the hook writes into one of those).
+const SMALL_TCP: [&str; 14] = [
+    "bench",
+    "--transport",
+    "tcp",
+    "--duration",
+    "0.3",
+    "--pool-bytes",
+    "64MiB",
+    "--block-size",
+    "4KiB",
+    "--blocks-per-batch",
+    "8",
+    "--concurrency",
+    "2",
+    "--json",
+];
+
+#[test]
+fn a_corrupted_destination_fails_naming_the_written_and_the_untouched_block() {
+    // Pulls land in the local pool, pushes in the target's (changed through its control port).
+    for (op, pool) in [
+        ("read", "local pool (destination)"),
+        ("write", "target's pool (destination)"),
+    ] {
+        let args = [&SMALL_TCP[..], &["--op", op]].concat();
+        fails_naming_the_blocks_changed(&args, "destination", pool, 2);
+    }
+}
+
+#[test]
+fn a_stray_write_into_a_source_pool_fails_naming_the_block() {
+    for (op, pool) in [
+        ("read", "target's pool (source)"),
+        ("write", "local pool (source)"),
+    ] {
+        let args = [&SMALL_TCP[..], &["--op", op]].concat();
+        fails_naming_the_blocks_changed(&args, "source", pool, 1);
+    }
+}
+
+#[test]
+fn through_the_agents_counts_verified_bytes_and_reports_real_mismatches() {
+    let args = [
+        "bench",
+        "--through-agent",
+        "--json",
+        "--duration",
+        "0.3",
+        "--pool-bytes",
+        "4MiB",
+        "--block-size",
+        "64KiB",
+        "--blocks-per-batch",
+        "16",
+    ];
+    let out = Command::new(BIN).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // 3 rounds × 2 phases × the 1 MiB destination, then the 4 MiB source.
+    assert_eq!(report["verified"], 6 * (1 << 20) + (4 << 20), "{report}");
+    fails_naming_the_blocks_changed(
+        &args,
+        "destination",
+        "destination after the agents, round 1",
+        1,
+    );
+    fails_naming_the_blocks_changed(&args, "source", "source pool", 1);
+}
+
+#[test]
+fn a_pool_that_is_not_a_whole_number_of_blocks_is_refused() {
+    for extra in [&[][..], &["--through-agent"][..]] {
+        let out = Command::new(BIN)
+            .args([
+                "bench",
+                "--pool-bytes",
+                "1000000",
+                "--block-size",
+                "64KiB",
+                "--blocks-per-batch",
+                "4",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{err}");
+        assert!(
+            err.contains("pool-bytes") && err.contains("1000000") && err.contains("whole number"),
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -200,7 +483,7 @@ fn target_serves_initiators_in_turn_and_at_once_then_stops_on_sigterm() {
                 "{}",
                 String::from_utf8_lossy(&out.stderr)
             );
-            assert_eq!(rows(&out.stdout)[0]["verified"], true);
+            assert_eq!(rows(&out.stdout)[0]["verified"], 2 * (4 << 20));
         }
     }
     let pid = rustix::process::Pid::from_raw(target.id() as i32).unwrap();

@@ -42,8 +42,11 @@ pub struct EngineConfig {
     /// cuda-ipc completion threads poll their events instead of sleeping in cuEventSynchronize:
     /// a few µs less latency per batch for one busy core per GPU in use. Off by default.
     pub cuda_spin: bool,
-    /// `BatchHandle::wait_blocking` polls for completion this long before it sleeps (0: never
-    /// polls). With `cuda_spin`, the lowest latency for single small batches.
+    /// `BatchHandle::wait_blocking` polls for completion this long before it sleeps, a tcp
+    /// batch run on the caller's thread (`Peer::run`) polls its socket as long for the reply,
+    /// and a tcp target polls each data connection as long for the next request after serving
+    /// one (0: never polls; a socket polls 1 s at most; each poll holds a core). With
+    /// `cuda_spin`, the lowest latency for single small batches.
     pub spin_wait: Duration,
     /// cuda-ipc pushes run on the peer's GPU (which then pulls from ours) when this process can
     /// use that GPU, so each GPU pulls and both link directions carry data at once.

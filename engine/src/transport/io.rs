@@ -71,6 +71,37 @@ pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
     Ok(body)
 }
 
+/// Polls `fd` for bytes to read without sleeping, for at most `window` (and never past
+/// `deadline`, if any): true as soon as it is readable (or hung up), false when the window ends
+/// first. A reply due within microseconds then costs no sleep and wake-up of the waiting thread.
+pub(crate) fn spin_until_readable(
+    fd: impl std::os::fd::AsFd,
+    window: Duration,
+    deadline: Option<Instant>,
+) -> io::Result<bool> {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    if window.is_zero() {
+        return Ok(false);
+    }
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // Past a second a reply is not due within microseconds: polling longer only burns the core.
+    let end = Instant::now() + window.min(Duration::from_secs(1));
+    let until = deadline.map_or(end, |d| d.min(end));
+    while Instant::now() < until {
+        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+        match poll(&mut fds, Some(&zero)) {
+            // Yield, not just spin: a peer spinning on the same core must get to answer.
+            Ok(0) | Err(rustix::io::Errno::INTR) => std::thread::yield_now(),
+            Ok(_) => return Ok(true),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(false)
+}
+
 /// The blocking stream sockets the data plane serves (tcp and Unix).
 pub(crate) trait Socket: Read + Write + Sized + Send + 'static {
     fn shutdown(&self, how: Shutdown) -> io::Result<()>;
@@ -195,5 +226,31 @@ mod tests {
         assert_eq!(buf.len(), 1 << 20);
         assert!(buf.iter().all(|&b| b == 7));
         assert_eq!(read_body(&mut Trickle(5), 5).unwrap(), [7; 5]);
+    }
+
+    #[test]
+    fn a_spin_window_sees_bytes_and_hang_ups_without_taking_them() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let ms = Duration::from_millis;
+        // Nothing to read: false once the window is over, or at the deadline if that comes first.
+        let start = Instant::now();
+        assert!(!spin_until_readable(&a, ms(20), None).unwrap());
+        assert!(start.elapsed() >= ms(20));
+        let start = Instant::now();
+        assert!(!spin_until_readable(&a, Duration::MAX, Some(start + ms(20))).unwrap());
+        assert!(start.elapsed() < Duration::from_secs(10));
+        assert!(!spin_until_readable(&a, Duration::ZERO, None).unwrap());
+        // A waiting byte is seen and stays for the read that follows.
+        b.write_all(b"x").unwrap();
+        assert!(spin_until_readable(&a, Duration::MAX, None).unwrap());
+        let mut got = [0u8; 1];
+        a.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"x");
+        // A hang-up ends the window too (the read then sees the end).
+        drop(b);
+        assert!(spin_until_readable(&a, Duration::MAX, None).unwrap());
+        assert_eq!(a.read(&mut got).unwrap(), 0);
     }
 }

@@ -9,7 +9,7 @@
 //! reads unit k+1. The wire is the same either way.
 
 use std::collections::VecDeque;
-use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::io::{BufReader, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use rustix::net::{SendFlags, send};
 use tracing::{debug, warn};
 
-use super::io::{Until, discard, read_exact_vectored, write_all_vectored};
+use super::io::{Until, discard, read_exact_vectored, spin_until_readable, write_all_vectored};
 use super::staging::{Span, Staging, device_of};
 use super::{Piece, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
@@ -47,6 +47,14 @@ struct Chunk {
 /// itself when the connection is idle: a small batch then does not wait for a thread wake-up.
 const INLINE_MAX: usize = 64 << 10;
 
+/// Bytes asked of the socket at once when a reply begins: a small read's header, payload and
+/// trailer then take one read, not one each. Payload reads this large or larger go straight
+/// into local memory.
+const READ_AHEAD: usize = 16 << 10;
+
+/// The read half of a connection, read only by whoever holds the reading turn.
+type Inbox = BufReader<TcpStream>;
+
 #[derive(Debug)]
 enum Work {
     Chunk(Chunk),
@@ -73,8 +81,8 @@ struct Conn {
     wake: Condvar,
     /// Chunks written and awaiting their reply, in wire order.
     pending: Mutex<VecDeque<Arc<Chunk>>>,
-    /// The read half; read only by whoever holds the reading turn.
-    rstream: TcpStream,
+    /// The read half; locked only by whoever holds the reading turn.
+    inbox: Mutex<Inbox>,
     /// Someone (the reader thread, or a caller running its own small batch) reads replies.
     reading: Mutex<bool>,
     read_turn: Condvar,
@@ -87,6 +95,8 @@ struct Conn {
     rx_staging: Mutex<Option<Staging>>,
     /// A third of the target's idle timeout: how long the connection may stay silent.
     keepalive: Option<Duration>,
+    /// How long a caller running its own small batch polls for the reply before it sleeps.
+    busy_poll: Duration,
     /// Bytes queued or on the wire, to spread chunks over connections.
     outstanding: AtomicU64,
     moved: AtomicU64,
@@ -105,6 +115,9 @@ pub(crate) struct TcpOptions {
     pub staging_bytes: u64,
     /// Connect and handshake, each connection, within this.
     pub handshake_timeout: Duration,
+    /// A batch run on the caller's thread polls its socket this long before it sleeps
+    /// (`EngineConfig::spin_wait`).
+    pub busy_poll: Duration,
 }
 
 impl TcpLink {
@@ -142,6 +155,7 @@ impl TcpLink {
                 stream,
                 opts.staging_bytes,
                 keepalive,
+                opts.busy_poll,
             )?);
         }
         let link = TcpLink {
@@ -275,6 +289,7 @@ impl Conn {
         stream: TcpStream,
         staging_bytes: u64,
         keepalive: Option<Duration>,
+        busy_poll: Duration,
     ) -> Result<Arc<Conn>> {
         let reader = stream
             .try_clone()
@@ -288,12 +303,13 @@ impl Conn {
             }),
             wake: Condvar::new(),
             pending: Mutex::default(),
-            rstream: reader,
+            inbox: Mutex::new(BufReader::with_capacity(READ_AHEAD, reader)),
             reading: Mutex::new(false),
             read_turn: Condvar::new(),
             alive: AtomicBool::new(true),
             staging_bytes,
             keepalive,
+            busy_poll,
             tx_staging: Mutex::new(None),
             rx_staging: Mutex::new(None),
             outstanding: AtomicU64::new(0),
@@ -415,8 +431,15 @@ impl Conn {
         self.enqueue(chunk);
         let mut scratch = Vec::new();
         let mut outcome = Ok(());
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
         while !job.is_finished() && !self.nothing_pending() {
-            match wait_readable(&self.rstream, deadline) {
+            // Bytes already read ahead need no wait (poll would not see them).
+            let ready = if inbox.buffer().is_empty() {
+                wait_readable(inbox.get_ref(), deadline, self.busy_poll)
+            } else {
+                Ok(true)
+            };
+            match ready {
                 Ok(true) => {}
                 // Past the batch's deadline: the caller's wait reports the timeout, and the
                 // reader thread takes the late reply (and drops it).
@@ -426,11 +449,12 @@ impl Conn {
                     break;
                 }
             }
-            if let Err(e) = self.read_reply(&self.rstream, &mut scratch) {
+            if let Err(e) = self.read_reply(&mut inbox, &mut scratch) {
                 outcome = Err(e);
                 break;
             }
         }
+        drop(inbox);
         self.end_reading_turn();
         if let Err(e) = outcome {
             self.close(e);
@@ -569,9 +593,11 @@ impl Conn {
         let mut scratch = Vec::new();
         while self.take_reading_turn() {
             let mut outcome = Ok(());
+            let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
             while outcome.is_ok() && !self.nothing_pending() {
-                outcome = self.read_reply(&self.rstream, &mut scratch);
+                outcome = self.read_reply(&mut inbox, &mut scratch);
             }
+            drop(inbox);
             self.end_reading_turn();
             if let Err(err) = outcome {
                 if !matches!(err, Error::ShuttingDown) {
@@ -584,8 +610,7 @@ impl Conn {
     }
 
     /// Reads one reply and completes its chunk. An error here is fatal for the connection.
-    fn read_reply(&self, mut stream: &TcpStream, scratch: &mut Vec<u8>) -> Result<()> {
-        let stream = &mut stream;
+    fn read_reply(&self, stream: &mut Inbox, scratch: &mut Vec<u8>) -> Result<()> {
         let h = read_header(stream, &self.peer).map_err(|e| {
             if self.alive.load(Ordering::Acquire) {
                 e
@@ -695,7 +720,7 @@ impl Conn {
     /// device memory, and the chunk completes once every byte is there.
     fn read_staged(
         &self,
-        stream: &mut &TcpStream,
+        stream: &mut Inbox,
         h: &Header,
         chunk: &Chunk,
         device: u32,
@@ -725,7 +750,7 @@ impl Conn {
     /// (`computed`, one per piece) against the trailer, then completion.
     fn finish_read(
         &self,
-        stream: &mut &TcpStream,
+        stream: &mut Inbox,
         h: &Header,
         chunk: &Chunk,
         computed: Option<Vec<u32>>,
@@ -799,9 +824,17 @@ impl Conn {
     }
 }
 
-/// Waits until the socket has bytes (or an error/hang-up) to read; false at the deadline.
-fn wait_readable(stream: &TcpStream, deadline: Instant) -> std::io::Result<bool> {
+/// Waits until the socket has bytes (or an error/hang-up) to read; false at the deadline. For
+/// the first `busy_poll` it polls without sleeping.
+fn wait_readable(
+    stream: &TcpStream,
+    deadline: Instant,
+    busy_poll: Duration,
+) -> std::io::Result<bool> {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    if spin_until_readable(stream, busy_poll, Some(deadline))? {
+        return Ok(true);
+    }
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -900,14 +933,44 @@ fn write_chunk(stream: &mut &TcpStream, chunk: &Chunk, head: &mut Vec<u8>) -> st
 }
 
 /// Skips a read reply's payload and crc trailer, keeping the stream in step.
-fn discard_reply(
-    stream: &mut &TcpStream,
-    h: &Header,
-    scratch: &mut Vec<u8>,
-) -> std::io::Result<()> {
+fn discard_reply(stream: &mut Inbox, h: &Header, scratch: &mut Vec<u8>) -> std::io::Result<()> {
     discard(stream, h.len, scratch)?;
     if h.has(FLAG_CRC) {
         discard(stream, h.count as u64 * 4, scratch)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn a_busy_poll_window_ends_at_the_deadline_and_sees_bytes_at_once() {
+        let (a, mut b) = pair();
+        let ms = Duration::from_millis;
+        // Nothing to read: a window longer than the batch's deadline still ends at the deadline,
+        // and one shorter than it sleeps until the deadline.
+        for window in [Duration::from_secs(60), ms(5), Duration::ZERO] {
+            let start = Instant::now();
+            assert!(!wait_readable(&a, start + ms(50), window).unwrap());
+            let took = start.elapsed();
+            assert!(took >= ms(50) && took < Duration::from_secs(10), "{took:?}");
+        }
+        // A byte waiting is seen at once, polling or not.
+        b.write_all(b"x").unwrap();
+        for window in [Duration::from_secs(60), Duration::ZERO] {
+            let start = Instant::now();
+            assert!(wait_readable(&a, start + Duration::from_secs(60), window).unwrap());
+            assert!(start.elapsed() < Duration::from_secs(10));
+        }
+    }
 }
