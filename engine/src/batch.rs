@@ -8,16 +8,38 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::block_table::BlockTable;
 use crate::error::{Error, Result};
 use crate::frame::TraceContext;
 use crate::op::{BlockOp, Opcode};
 use crate::region::{AccessKey, Lease};
 use crate::transport::TransportKind;
 
+/// What a batch moves: explicit block ops, or a block table (planes × block-id pairs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchOps {
+    List(Vec<BlockOp>),
+    Table(BlockTable),
+}
+
+impl BatchOps {
+    /// Block ops the batch stands for (a table: planes × blocks, saturating).
+    pub fn len(&self) -> usize {
+        match self {
+            BatchOps::List(ops) => ops.len(),
+            BatchOps::Table(t) => t.elements().unwrap_or(usize::MAX),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Batch {
     pub opcode: Opcode,
-    pub ops: Vec<BlockOp>,
+    pub ops: BatchOps,
     /// Overrides the engine's default batch timeout.
     pub timeout: Option<Duration>,
     /// Send a crc32c of every op's payload and verify it on arrival.
@@ -32,6 +54,13 @@ pub struct Batch {
 
 impl Batch {
     pub fn new(opcode: Opcode, ops: Vec<BlockOp>) -> Self {
+        Batch::of(opcode, BatchOps::List(ops))
+    }
+    /// A block-table batch: every plane moves every block-id pair.
+    pub fn table(opcode: Opcode, table: BlockTable) -> Self {
+        Batch::of(opcode, BatchOps::Table(table))
+    }
+    pub fn of(opcode: Opcode, ops: BatchOps) -> Self {
         Batch {
             opcode,
             ops,

@@ -11,12 +11,14 @@ use crate::frame::Entry;
 use crate::region::{Location, RawRange, RegionId};
 use crate::segment::SegmentDescriptor;
 pub use crate::transport_kind::TransportKind;
+pub(crate) use planned_table::PlannedTable;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda_ipc;
 pub mod fdpass;
 pub(crate) mod io;
 pub(crate) mod listener;
+pub(crate) mod planned_table;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
 pub mod select;
@@ -54,6 +56,14 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug {
     fn run_here(&self, pieces: Vec<Piece>, job: Arc<Job>, deadline: std::time::Instant) {
         let _ = deadline;
         self.submit(pieces, job)
+    }
+    /// A block-table batch. By default expanded here, on the host, into pieces.
+    fn submit_table(&self, table: PlannedTable, job: Arc<Job>) {
+        self.submit(table.pieces(), job)
+    }
+    /// `submit_table` for a caller about to block on the job (see `run_here`).
+    fn run_table_here(&self, table: PlannedTable, job: Arc<Job>, deadline: std::time::Instant) {
+        self.run_here(table.pieces(), job, deadline)
     }
     /// Live data connections and bytes moved, for status output.
     fn stats(&self) -> TransportStats;
