@@ -444,11 +444,17 @@ impl Engine {
                 }
                 #[cfg(feature = "cuda")]
                 TransportKind::CudaIpc => {
+                    let c = &inner.config;
+                    let lane = crate::cuda::lane::LaneOptions {
+                        spin: c.cuda_spin,
+                        poll: c.spin_wait,
+                        doorbell_idle: c.cuda_doorbell_idle,
+                    };
                     let link = crate::transport::cuda_ipc::CudaIpcLink::connect(
                         &remote,
-                        inner.config.cuda_path,
-                        inner.config.cuda_spin,
-                        inner.config.cuda_push_by_peer,
+                        c.cuda_path,
+                        lane,
+                        c.cuda_push_by_peer,
                     )?;
                     (Box::new(link), None)
                 }

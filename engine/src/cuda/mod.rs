@@ -8,6 +8,7 @@
 mod bench;
 pub mod ipc;
 pub mod oplist;
+pub mod table_list;
 
 #[cfg(feature = "cuda")]
 mod doorbell;

@@ -79,4 +79,7 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug {
 pub struct TransportStats {
     pub connections: usize,
     pub bytes: u64,
+    /// Kernels this link keeps on its GPUs between batches (cuda-ipc's doorbell while it
+    /// lingers after a batch; it exits after `EngineConfig::cuda_doorbell_idle`).
+    pub resident_kernels: usize,
 }

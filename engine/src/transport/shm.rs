@@ -172,6 +172,7 @@ impl Transport for ShmLink {
         TransportStats {
             connections: 1,
             bytes: self.inner.moved.load(Ordering::Relaxed),
+            resident_kernels: 0,
         }
     }
 }

@@ -395,6 +395,7 @@ impl Transport for TcpLink {
                 .iter()
                 .map(|c| c.moved.load(Ordering::Relaxed))
                 .sum(),
+            resident_kernels: 0,
         }
     }
 }
