@@ -84,6 +84,28 @@ pub fn decode_transfer(req: SubmitRequest) -> Result<Transfer, Error> {
     })
 }
 
+/// The agent's ordinal of the GPU a region names: by UUID when given (the worker's numbering
+/// may differ from ours), else the ordinal as sent.
+fn device_of(i: usize, c: &pb::CudaMemory) -> Result<u32, Error> {
+    if c.device_uuid.is_empty() {
+        return Ok(c.device);
+    }
+    let field = || format!("regions[{i}].device_uuid");
+    let want = kvfabric_engine::cuda::uuid_digits(&c.device_uuid)
+        .ok_or_else(|| Error::invalid(field(), &c.device_uuid, "not a GPU UUID"))?;
+    kvfabric_engine::cuda::devices()?
+        .into_iter()
+        .find(|d| kvfabric_engine::cuda::uuid_digits(&d.uuid).as_deref() == Some(want.as_str()))
+        .map(|d| d.ordinal)
+        .ok_or_else(|| {
+            Error::invalid(
+                field(),
+                &c.device_uuid,
+                "no GPU with this UUID on this node",
+            )
+        })
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<SegmentEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -100,7 +122,7 @@ impl LocalAgent for LocalApi {
                     fd_token: h.fd_token,
                 },
                 Some(region_spec::Memory::Cuda(c)) => RegionSource::Cuda {
-                    device: c.device,
+                    device: device_of(i, &c)?,
                     ipc_handle: c.ipc_handle,
                     offset: c.offset,
                     len: c.len,

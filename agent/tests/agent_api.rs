@@ -340,6 +340,26 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
     let s = grpc.register_segment(malformed).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
     assert!(s.message().contains("64 bytes"), "{}", s.message());
+    let not_a_uuid = pb::RegisterSegmentRequest {
+        name: "gpu-0".into(),
+        regions: vec![pb::RegionSpec {
+            memory: Some(pb::region_spec::Memory::Cuda(pb::CudaMemory {
+                device: 0,
+                ipc_handle: vec![0; 64],
+                offset: 0,
+                len: 4096,
+                device_uuid: "GPU-not-a-uuid".into(),
+            })),
+        }],
+        key: 0,
+    };
+    let s = grpc.register_segment(not_a_uuid).await.unwrap_err();
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(
+        s.message().contains("regions[0].device_uuid") && s.message().contains("not a GPU UUID"),
+        "{}",
+        s.message()
+    );
     let bogus_token = pb::RegisterSegmentRequest {
         name: "host-0".into(),
         regions: vec![pb::RegionSpec {

@@ -107,26 +107,39 @@ impl FromStr for CudaPath {
 pub struct CudaDeviceInfo {
     pub ordinal: u32,
     pub name: String,
-    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi and `CUDA_VISIBLE_DEVICES` name it:
-    /// the same in every process, whichever devices each one sees.
-    pub uuid: String,
     /// As the driver writes it, e.g. `00000000:3B:00.0`.
     pub pci_bus_id: String,
     pub memory_bytes: u64,
+    /// As nvidia-smi writes it, `GPU-` and 32 hex digits in 8-4-4-4-12 groups: the name a
+    /// process can give for a device whatever its `CUDA_VISIBLE_DEVICES` numbering.
+    #[serde(default)]
+    pub uuid: String,
 }
 
-/// A device UUID's 16 bytes in nvidia-smi's form.
-pub fn uuid_name(b: &[u8; 16]) -> String {
-    let hex =
-        |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
+/// A device UUID as nvidia-smi writes it.
+pub fn uuid_text(bytes: [u8; 16]) -> String {
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     format!(
         "GPU-{}-{}-{}-{}-{}",
-        hex(0..4),
-        hex(4..6),
-        hex(6..8),
-        hex(8..10),
-        hex(10..16)
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
     )
+}
+
+/// The 32 hex digits of a device UUID written either way (`GPU-` prefix or not, any case,
+/// dashes or not), or None when it is not one.
+pub fn uuid_digits(text: &str) -> Option<String> {
+    let t = text.trim();
+    let t = t
+        .strip_prefix("GPU-")
+        .or_else(|| t.strip_prefix("gpu-"))
+        .unwrap_or(t);
+    let hex: String = t.chars().filter(|&c| c != '-').collect();
+    (hex.len() == 32 && hex.chars().all(|c| c.is_ascii_hexdigit()))
+        .then(|| hex.to_ascii_lowercase())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -178,12 +191,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn uuids_read_as_nvidia_smi_prints_them() {
-        let b: [u8; 16] = std::array::from_fn(|i| (i as u8) * 17);
-        assert_eq!(uuid_name(&b), "GPU-00112233-4455-6677-8899-aabbccddeeff");
-    }
-
-    #[test]
     fn auto_takes_the_copy_engines_only_for_large_mean_copies() {
         let mib = 1 << 20;
         let across = (1, 0);
@@ -216,6 +223,30 @@ mod tests {
         for fixed in [CudaPath::Sm, CudaPath::Ce] {
             assert_eq!(fixed.for_batch(1, 1 << 30, across), fixed);
             assert_eq!(fixed.for_batch(1000, 4 << 20, (0, 0)), fixed);
+        }
+    }
+
+    #[test]
+    fn device_uuids_read_back_however_they_are_written() {
+        let bytes = [
+            0x8f, 0x1a, 0x2b, 0x3c, 0x4d, 0x5e, 0x6f, 0x70, 0x81, 0x92, 0xa3, 0xb4, 0xc5, 0xd6,
+            0xe7, 0xf8,
+        ];
+        let text = uuid_text(bytes);
+        assert_eq!(text, "GPU-8f1a2b3c-4d5e-6f70-8192-a3b4c5d6e7f8");
+        let digits = Some("8f1a2b3c4d5e6f708192a3b4c5d6e7f8".to_string());
+        assert_eq!(uuid_digits(&text), digits);
+        // torch prints it without the prefix; some tools upper-case it or drop the dashes.
+        assert_eq!(uuid_digits("8f1a2b3c-4d5e-6f70-8192-a3b4c5d6e7f8"), digits);
+        assert_eq!(uuid_digits("GPU-8F1A2B3C4D5E6F708192A3B4C5D6E7F8"), digits);
+        for bad in [
+            "",
+            "GPU-",
+            "8f1a2b3c",
+            "GPU-8f1a2b3c-4d5e-6f70-8192-a3b4c5d6e7fz",
+            "0",
+        ] {
+            assert_eq!(uuid_digits(bad), None, "{bad:?}");
         }
     }
 

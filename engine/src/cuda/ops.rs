@@ -99,15 +99,15 @@ pub fn devices() -> Result<Vec<super::CudaDeviceInfo>> {
         })?;
         let mut uuid = sys::CUuuid { bytes: [0; 16] };
         // SAFETY: a valid out-pointer and device handle.
-        check("cuDeviceGetUuid_v2", unsafe {
+        check("cuDeviceGetUuid", unsafe {
             sys::cuDeviceGetUuid_v2(&mut uuid, handle)
         })?;
         out.push(super::CudaDeviceInfo {
             ordinal: dev.ordinal,
             name,
-            uuid: super::uuid_name(&uuid.bytes.map(|b| b as u8)),
             pci_bus_id,
             memory_bytes: bytes as u64,
+            uuid: super::uuid_text(uuid.bytes.map(|b| b as u8)),
         });
     }
     Ok(out)

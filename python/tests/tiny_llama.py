@@ -1,0 +1,42 @@
+"""A tiny random-weight Llama written with transformers (no download): what the real-vLLM
+tests serve. Head size 32 and fp32, as vLLM's CPU attention takes; the seed picks the weights."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def write(path: str | Path, seed: int = 0, layers: int = 2) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=8192,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    return path
+
+
+if __name__ == "__main__":
+    write(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)

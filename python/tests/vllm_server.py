@@ -1,0 +1,190 @@
+"""A real vLLM OpenAI server as a process (``python -m vllm.entrypoints.openai.api_server``; the
+``vllm serve`` entry point looks up a ``vllm`` distribution the CPU wheel does not have), and
+the P/D proxy protocol NixlConnector's routers speak, as the tests' router."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from fabric import free_port
+
+BLOCK_SIZE = 32
+
+
+class VllmServer:
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        logdir: Path,
+        kv_role: str | None = None,
+        socket_dir: str | None = None,
+        extra_config: dict | None = None,
+        prefix_caching: bool = True,
+        connector: tuple[str, str, dict] | None = None,
+        pythonpath: str | None = None,
+    ) -> None:
+        """``kv_role`` set: with KVFabricConnector on the agent at ``socket_dir``, or with
+        ``connector`` (class name, module, extra config) instead."""
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = logdir / f"{name}.log"
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-model-len",
+            "8192",
+            "--max-num-batched-tokens",
+            "8192",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--enable-prompt-tokens-details",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        if not prefix_caching:
+            args.append("--no-enable-prefix-caching")
+        if kv_role:
+            cls, module, extra = connector or (
+                "KVFabricConnector",
+                "kvfabric.vllm",
+                {"socket_dir": socket_dir, **(extra_config or {})},
+            )
+            config = {
+                "kv_connector": cls,
+                "kv_connector_module_path": module,
+                "kv_role": kv_role,
+                "kv_load_failure_policy": "recompute",
+                "engine_id": name,
+                "kv_connector_extra_config": extra,
+            }
+            args += ["--kv-transfer-config", json.dumps(config)]
+        env = dict(
+            os.environ,
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            HF_HUB_OFFLINE="1",
+            OMP_NUM_THREADS="1",
+            VLLM_LOGGING_LEVEL="INFO",
+        )
+        if pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            args,
+            stdout=open(self.log_path, "w"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 420) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log()[-3000:]}")
+            try:
+                urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
+                return
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        raise TimeoutError(f"{self.name} not ready in {timeout} s: {self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def complete(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        kv_transfer_params: dict | None = None,
+        timeout: float = 120,
+    ) -> dict:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        req = urllib.request.Request(
+            self.url + "/v1/completions",
+            json.dumps(body).encode(),
+            {"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def metric(self, name: str) -> float:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            m = re.match(rf"^{re.escape(name)}(\{{.*\}})? (\S+)$", line)
+            if m:
+                return float(m.group(2))
+        raise KeyError(name)
+
+    def kill(self) -> None:
+        """SIGKILL to the server's whole process group (API server, engine core, worker)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def tokens(response: dict) -> list[int]:
+    return response["choices"][0]["token_ids"]
+
+
+def cached_tokens(response: dict) -> int:
+    details = response["usage"].get("prompt_tokens_details") or {}
+    return details.get("cached_tokens") or 0
+
+
+def prefill(server: VllmServer, prompt: list[int]) -> dict:
+    """What a P/D router sends the prefill instance; returns the params for the decode one."""
+    out = server.complete(
+        prompt,
+        1,
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
+    return out["kv_transfer_params"]
