@@ -119,6 +119,13 @@ pub struct BenchArgs {
     #[arg(long, env = "KVFABRIC_STAGING_BYTES", default_value = "8MiB", value_parser = bytesize::parse)]
     pub staging_bytes: u64,
 
+    /// How batches are given to the engine: `ops` (explicit block ops, the default) or
+    /// `planes[:N]` (block tables: N planes, default layers × K/V, and block-id pairs shared by
+    /// all; a batch of --blocks-per-batch ops is that many / N pairs). With `planes` and the
+    /// default shape, rows at the model's block size and at the TP-sharded one (--tp).
+    #[arg(long = "layout", default_value = "ops", value_parser = crate::layout::parse_form)]
+    pub form: crate::layout::BatchForm,
+
     #[command(flatten)]
     pub layout: LayoutArgs,
 }
@@ -142,6 +149,10 @@ pub struct LayoutArgs {
     /// Prompt length whose blocks make one batch.
     #[arg(long, default_value_t = 512)]
     pub request_tokens: u64,
+    /// Tensor-parallel ranks of the decode side for the sharded rows of `--layout planes`: each
+    /// rank holds kv_heads / tp heads (default: one head per rank, 4 KiB blocks for Llama-3-8B).
+    #[arg(long)]
+    pub tp: Option<u64>,
 }
 
 /// `kvfabric registry-bench`.

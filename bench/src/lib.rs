@@ -29,7 +29,7 @@ pub use report::Row;
 
 use crate::args::{BenchArgs, OpArg, SelftestArgs, TransportArg};
 use initiator::Initiator;
-use layout::Layout;
+use layout::{BatchForm, Layout};
 
 /// The single-block row: how long one 4 KiB pull takes, against a raw TCP ping-pong.
 const LATENCY_BLOCK: u64 = 4096;
@@ -89,11 +89,12 @@ async fn run(args: BenchArgs, telemetry: &Telemetry) -> Result<()> {
         cuda_path: args.cuda_path,
         cuda_spin: args.cuda_spin,
         staging_bytes: args.staging_bytes,
-        // --cuda-spin is the lowest-latency setting: the waiting slot polls briefly too.
+        // --cuda-spin is the lowest-latency setting: the waiting slot polls longer too.
+        // Otherwise the engine's default completion, as a user gets it.
         spin_wait: if args.cuda_spin {
             Duration::from_micros(200)
         } else {
-            Duration::ZERO
+            EngineConfig::default().spin_wait
         },
         rdma: RdmaConfig {
             enabled: rdma,
@@ -188,25 +189,40 @@ pub fn plans(args: &BenchArgs, layout: &Layout) -> Vec<RowPlan> {
         peer_location: args.peer_location,
         bidirectional: args.bidirectional,
         cuda_path: args.cuda_path,
+        planes: match args.form {
+            BatchForm::Ops => None,
+            BatchForm::Planes(n) => Some(n.unwrap_or_else(|| layout.planes())),
+        },
     };
+    let default_shape = args.block_size.is_none() && args.blocks_per_batch.is_none();
+    // Block tables at the model's shape come with the TP-sharded one: the same ops per batch
+    // in blocks of one rank's KV heads.
+    let mut shapes = vec![base.clone()];
+    if base.planes.is_some() && default_shape {
+        shapes.push(RowPlan {
+            block_size: layout.sharded_block_bytes(),
+            ..base.clone()
+        });
+    }
     let mut plans = Vec::new();
-    for &transport in &transports {
-        if args.bidirectional {
-            plans.push(RowPlan {
-                transport,
-                ..base.clone()
-            });
-            continue;
-        }
-        for &op in &ops {
-            plans.push(RowPlan {
-                transport,
-                op,
-                ..base.clone()
-            });
+    for shape in &shapes {
+        for &transport in &transports {
+            if args.bidirectional {
+                plans.push(RowPlan {
+                    transport,
+                    ..shape.clone()
+                });
+                continue;
+            }
+            for &op in &ops {
+                plans.push(RowPlan {
+                    transport,
+                    op,
+                    ..shape.clone()
+                });
+            }
         }
     }
-    let default_shape = args.block_size.is_none() && args.blocks_per_batch.is_none();
     let latency_transport = [TransportArg::Tcp, TransportArg::CudaIpc]
         .into_iter()
         .find(|t| transports.contains(t));
@@ -218,6 +234,8 @@ pub fn plans(args: &BenchArgs, layout: &Layout) -> Vec<RowPlan> {
             block_size: LATENCY_BLOCK,
             per_batch: 1,
             concurrency: 1,
+            // One op, whatever the layout: the row measures completion.
+            planes: None,
             ..base
         });
     }

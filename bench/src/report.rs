@@ -11,8 +11,12 @@ pub struct Row {
     pub transport: String,
     pub selection: String,
     pub op: String,
+    /// "ops" (explicit block ops) or "planes:N" (block tables of N planes).
+    pub layout: String,
     pub block_size: u64,
     pub blocks_per_batch: usize,
+    /// Block ops moved per second: what the host had to describe and complete.
+    pub ops_per_sec: f64,
     pub concurrency: usize,
     pub batches: u64,
     pub bytes: u64,
@@ -36,10 +40,12 @@ pub fn table(rows: &[Row]) -> String {
     t.set_header([
         "transport",
         "op",
+        "layout",
         "block",
         "ops/batch",
         "inflight",
         "batches",
+        "ops/s",
         "GB/s",
         "p50 µs",
         "p99 µs",
@@ -56,10 +62,12 @@ pub fn table(rows: &[Row]) -> String {
         t.add_row([
             r.transport.clone(),
             r.op.clone(),
+            r.layout.clone(),
             human(r.block_size),
             r.blocks_per_batch.to_string(),
             r.concurrency.to_string(),
             r.batches.to_string(),
+            format!("{:.2} M", r.ops_per_sec / 1e6),
             format!("{:.2}", r.gbps),
             format!("{:.1}", r.p50_us),
             format!("{:.1}", r.p99_us),
@@ -69,7 +77,7 @@ pub fn table(rows: &[Row]) -> String {
             format!("{:.0}%", r.ratio * 100.0),
         ]);
     }
-    for i in [5, 6, 7, 8, 11, 12] {
+    for i in [6, 7, 8, 9, 10, 13, 14] {
         if let Some(c) = t.column_mut(i) {
             c.set_cell_alignment(CellAlignment::Right);
         }
