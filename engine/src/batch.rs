@@ -227,6 +227,21 @@ impl Job {
     }
 }
 
+/// Waiters poll only batches up to this size. A lone small op is what polling speeds up (a
+/// wake-up costs it tens of µs); a large batch runs far longer than any window, and many of
+/// them in flight would keep as many cores polling while the host has ops to prepare.
+pub(crate) const POLLED_BYTES: u64 = 4 << 20;
+
+/// How long a waiter polls a batch of `bytes` before it sleeps, given the configured `window`
+/// (`EngineConfig::spin_wait`): the window up to [`POLLED_BYTES`], nothing above.
+pub(crate) fn poll_window(bytes: u64, window: Duration) -> Duration {
+    if bytes <= POLLED_BYTES {
+        window
+    } else {
+        Duration::ZERO
+    }
+}
+
 /// The caller's side of a submitted batch.
 #[derive(Debug)]
 pub struct BatchHandle {
@@ -236,7 +251,7 @@ pub struct BatchHandle {
     pub(crate) transport: TransportKind,
     pub(crate) ops: usize,
     pub(crate) coalesced_ops: usize,
-    /// How long `wait_blocking` polls before it sleeps (`EngineConfig::spin_wait`).
+    /// How long `wait_blocking` polls before it sleeps ([`poll_window`]).
     pub(crate) spin: Duration,
 }
 
@@ -347,5 +362,20 @@ impl BatchHandle {
             bytes,
             elapsed: self.started.elapsed(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_batches_up_to_4_mib_are_polled() {
+        let w = Duration::from_micros(50);
+        assert_eq!(poll_window(4096, w), w);
+        assert_eq!(poll_window(POLLED_BYTES, w), w);
+        assert_eq!(poll_window(POLLED_BYTES + 1, w), Duration::ZERO);
+        assert_eq!(poll_window(u64::MAX, w), Duration::ZERO);
+        assert_eq!(poll_window(4096, Duration::ZERO), Duration::ZERO);
     }
 }

@@ -669,15 +669,16 @@ impl Peer {
             remote_key,
             trace,
         } = batch;
-        let (planned, locals, elements) = match ops {
+        let (planned, locals, elements, bytes) = match ops {
             BatchOps::List(ops) => {
-                let (pieces, locals) = self.plan_list(&ops, opcode, remote_key)?;
-                (Planned::Pieces(pieces), locals, ops.len())
+                let (pieces, locals, bytes) = self.plan_list(&ops, opcode, remote_key)?;
+                (Planned::Pieces(pieces), locals, ops.len(), bytes)
             }
             BatchOps::Table(table) => {
                 let elements = table.elements().unwrap_or(usize::MAX);
                 let (table, locals) = self.plan_table(table, opcode, remote_key)?;
-                (Planned::Table(table), locals, elements)
+                let bytes = table.bytes;
+                (Planned::Table(table), locals, elements, bytes)
             }
         };
         let leases: Vec<Lease> = locals.iter().map(|r| r.lease()).collect();
@@ -704,18 +705,19 @@ impl Peer {
             transport: self.link.kind(),
             ops: elements,
             coalesced_ops: coalesced,
-            spin: self.inner.config.spin_wait,
+            spin: crate::batch::poll_window(bytes, self.inner.config.spin_wait),
         };
         Ok((planned, handle))
     }
 
-    /// An op list: every op checked (bounds on both sides, overlaps), then coalesced.
+    /// An op list: every op checked (bounds on both sides, overlaps), then coalesced. Returns
+    /// the pieces, the local regions and the bytes.
     fn plan_list(
         &self,
         ops: &[BlockOp],
         opcode: Opcode,
         remote_key: Option<AccessKey>,
-    ) -> Result<(Vec<Piece>, Vec<Arc<Region>>)> {
+    ) -> Result<(Vec<Piece>, Vec<Arc<Region>>, u64)> {
         let limit = self.inner.config.max_batch_ops;
         if ops.len() > limit {
             return Err(Error::BatchTooLarge {
@@ -798,7 +800,7 @@ impl Peer {
             });
         }
         drop(known);
-        Ok((pieces, locals))
+        Ok((pieces, locals, total))
     }
 
     /// A block table: checked per plane (bounds of the largest id on each side, keys through

@@ -44,12 +44,14 @@ pub struct EngineConfig {
     /// done: one busy core per GPU in use while batches keep coming. Off by default (the
     /// default `spin_wait` gets a lone small op most of the way at no idle cost).
     pub cuda_spin: bool,
-    /// A thread that waits for its own batch (`Peer::run`, `BatchHandle::wait_blocking`) polls
-    /// for completion this long before it sleeps: a batch done within it costs no wake-up
-    /// (microseconds per batch), and no thread polls once its batch is done or the window has
-    /// passed, so an idle engine polls nothing. Over cuda-ipc the caller polls its GPU work
-    /// itself (and small batches take the doorbell). 0: never polls, completion always wakes
-    /// the waiter (the lowest CPU use, tens of µs more per small batch). Default 50 µs.
+    /// A thread that waits for its own batch of at most 4 MiB (`Peer::run`,
+    /// `BatchHandle::wait_blocking`) polls for completion this long before it sleeps: a batch
+    /// done within it costs no wake-up (microseconds per batch), and no thread polls once its
+    /// batch is done or the window has passed, so an idle engine polls nothing. Larger batches
+    /// are never polled: they outlast any window, and many in flight would hold as many cores.
+    /// Over cuda-ipc the caller polls its GPU work itself (and small batches take the
+    /// doorbell). 0: never polls, completion always wakes the waiter (the lowest CPU use, tens
+    /// of µs more per small batch). Default 50 µs.
     pub spin_wait: Duration,
     /// cuda-ipc's doorbell kernel (one CTA that takes small batches of a polling caller with no
     /// launch; see `cuda::doorbell`) exits after this long without a batch, so an idle fabric

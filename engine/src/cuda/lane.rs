@@ -213,23 +213,23 @@ impl Lane {
     /// GPU itself for the lane's poll window (small batches going through the doorbell), so a
     /// short batch needs no other thread to wake it. Past the window, or `deadline`, the wait
     /// goes to the completion thread. A spinning lane polls until `deadline`; a lane with no
-    /// window is `submit`.
+    /// window for a batch of `bytes` (`batch::poll_window`) is `submit`.
     pub(crate) fn run_here(
         &self,
         work: Work<'_>,
+        bytes: u64,
         done: Done,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
         deadline: Instant,
     ) -> Result<()> {
         let until = if self.options.spin {
             deadline
-        } else if self.options.poll.is_zero() {
-            return self.submit(work, done, keep);
         } else {
-            deadline.min(crate::batch::deadline_after(
-                Instant::now(),
-                self.options.poll,
-            ))
+            let window = crate::batch::poll_window(bytes, self.options.poll);
+            if window.is_zero() {
+                return self.submit(work, done, keep);
+            }
+            deadline.min(crate::batch::deadline_after(Instant::now(), window))
         };
         if let (
             Work::Copies {

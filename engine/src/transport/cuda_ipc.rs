@@ -478,7 +478,7 @@ impl CudaIpcLink {
         });
         // A lane that refuses the batch drops `done` unrun: count the batch out here then.
         let r = match deadline {
-            Some(deadline) => lane.run_here(work, done, keep, deadline),
+            Some(deadline) => lane.run_here(work, bytes, done, keep, deadline),
             None => lane.submit(work, done, keep),
         };
         if r.is_err() {

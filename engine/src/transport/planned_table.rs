@@ -32,7 +32,6 @@ pub(crate) struct PlannedTable {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub shape: TableShape,
     /// Bytes the table moves.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub bytes: u64,
 }
 
