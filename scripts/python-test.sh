@@ -10,9 +10,11 @@ start=$SECONDS
 venv=$(scripts/vllm-venv.sh | tail -n 1)
 py=$venv/bin/python
 
-# The same agent binary the images carry (no bench subcommands), so CI builds it once.
-cargo build --release -p kvfabric-cli --no-default-features --features cuda --bin kvfabric
-(cd python && "$venv/bin/maturin" build --release --quiet -o ../target/wheels)
+# The agent binary the images carry (scripts/build-images.sh builds the same one, so the test
+# command builds it once). The wheel is a debug build: it shares the test builds' compiled
+# dependencies, and performance is the benchmark's business (python/benches).
+cargo build --release -p kvfabric-cli --no-default-features --features rdma,cuda --bin kvfabric
+(cd python && "$venv/bin/maturin" build --profile dev --quiet -o ../target/wheels)
 wheel=$(ls -t target/wheels/kvfabric-*.whl | head -n 1)
 "$py" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$wheel"
 

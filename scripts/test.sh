@@ -12,6 +12,11 @@ python3 -m pip --version >/dev/null 2>&1 || pkgs+=(python3-pip)    # scripts/ins
 command -v etcd >/dev/null || pkgs+=(etcd-server)                  # registry and e2e tests
 command -v openssl >/dev/null || pkgs+=(openssl)                   # etcd TLS test certificates
 command -v ip >/dev/null || pkgs+=(iproute2)                       # e2e network namespaces
+python3 -m venv --help >/dev/null 2>&1 || pkgs+=(python3-venv)     # kubernetes-validate, vLLM venvs
+# Images without a Docker daemon (scripts/build-images.sh), the peers' engine library.
+for p in mmdebstrap umoci skopeo binutils libibverbs1; do
+  dpkg -s "$p" >/dev/null 2>&1 || pkgs+=("$p")
+done
 # The engine's `rdma` feature: ibverbs-sys configures rdma-core with cmake and binds it with
 # bindgen, then links the system libibverbs.
 for p in libibverbs-dev cmake pkg-config libnl-3-dev libnl-route-3-dev libclang-dev clang; do
@@ -28,14 +33,18 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy -p kvfabric-engine --all-targets --features cuda,rdma -- -D warnings
 cargo clippy -p kvfabric-cli --features rdma -- -D warnings
-echo "== fuzz: frame decoder"
+echo "== fuzz: frames, op validation, planners"
 scripts/fuzz.sh "${KVFABRIC_FUZZ_SECS:-60}"
-echo "== helm: lint, render, strict parse of every manifest"
+echo "== helm: lint, render, strict parse and Kubernetes 1.29/1.35 schemas of every manifest"
 scripts/helm-check.sh
 echo "== tests"
 log=$(mktemp)
-cargo test --workspace 2>&1 | tee "$log"
+cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
 cargo test -p kvfabric-engine --features rdma --test rdma 2>&1 | tee -a "$log"
+echo "== images: operator and agent as OCI archives, checked inside their own root filesystems"
+scripts/build-images.sh 2>&1 | tee -a "$log"
+echo "== python: the kvfabric package and the vLLM connector against real vLLM processes"
+scripts/python-test.sh 2>&1 | tee -a "$log"
 # One closing line for the whole workspace (cargo prints one result per test binary, the last
 # often a doc-test run with nothing in it).
 awk '/^test result:/ { p += $4; f += $6 } END { print "tests: " p " passed, " f " failed" }' "$log"

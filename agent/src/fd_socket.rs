@@ -18,8 +18,8 @@ use kvfabric_proto::fd_wire::{MAGIC, encode_reply};
 use tokio::sync::Semaphore;
 use tracing::{debug, info};
 
-use crate::incoming::AcceptBackoff;
 use crate::node::Node;
+use kvfabric_rt::AcceptBackoff;
 
 /// Most fd socket connections served at once.
 pub const MAX_CONNECTIONS: usize = 64;

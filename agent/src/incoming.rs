@@ -10,75 +10,15 @@ use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::Stream;
+use kvfabric_rt::AcceptBackoff;
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tonic::transport::server::Connected;
-use tracing::warn;
-
-/// Errors that say "no resources now", after which accepting again later works.
-pub fn is_resource_exhaustion(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    )
-}
-
-/// How a failing accept loop waits and logs.
-#[derive(Debug)]
-pub struct AcceptBackoff {
-    what: &'static str,
-    delay: Duration,
-    last_log: Option<Instant>,
-    suppressed: u64,
-}
-
-impl AcceptBackoff {
-    const FIRST: Duration = Duration::from_millis(10);
-    const MAX: Duration = Duration::from_secs(1);
-    const LOG_EVERY: Duration = Duration::from_secs(1);
-
-    pub fn new(what: &'static str) -> Self {
-        AcceptBackoff {
-            what,
-            delay: Self::FIRST,
-            last_log: None,
-            suppressed: 0,
-        }
-    }
-
-    /// After a failed accept: how long to wait before the next one (logged, at most once per
-    /// second with the count of errors not logged meanwhile).
-    pub fn failed(&mut self, e: &io::Error) -> Duration {
-        if self.last_log.is_none_or(|t| t.elapsed() >= Self::LOG_EVERY) {
-            warn!(
-                socket = self.what,
-                error = %e,
-                suppressed = self.suppressed,
-                "accept failed; backing off"
-            );
-            self.last_log = Some(Instant::now());
-            self.suppressed = 0;
-        } else {
-            self.suppressed += 1;
-        }
-        let wait = if is_resource_exhaustion(e) {
-            self.delay
-        } else {
-            Self::FIRST
-        };
-        self.delay = (self.delay * 2).min(Self::MAX);
-        wait
-    }
-
-    pub fn succeeded(&mut self) {
-        self.delay = Self::FIRST;
-    }
-}
 
 /// How long a new connection may stay silent before it is closed.
 pub const FIRST_BYTE_DEADLINE: Duration = Duration::from_secs(10);
@@ -90,6 +30,29 @@ pub struct Capped<T> {
     io: T,
     _slot: OwnedSemaphorePermit,
     first_byte: Option<Pin<Box<tokio::time::Sleep>>>,
+    closed: watch::Sender<bool>,
+}
+
+impl<T> Drop for Capped<T> {
+    fn drop(&mut self) {
+        let _ = self.closed.send(true);
+    }
+}
+
+/// Which connection a request came on, for what must not outlive it (segments a worker
+/// registered are released when its connection closes — when the worker dies).
+#[derive(Debug, Clone)]
+pub struct Connection<I> {
+    /// What the transport knows of the peer (its credentials on a Unix socket).
+    pub info: I,
+    closed: watch::Receiver<bool>,
+}
+
+impl<I> Connection<I> {
+    /// Resolves once the connection has closed.
+    pub async fn closed(mut self) {
+        let _ = self.closed.wait_for(|c| *c).await;
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Capped<T> {
@@ -144,9 +107,12 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Capped<T> {
 }
 
 impl<T: Connected> Connected for Capped<T> {
-    type ConnectInfo = T::ConnectInfo;
+    type ConnectInfo = Connection<T::ConnectInfo>;
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.io.connect_info()
+        Connection {
+            info: self.io.connect_info(),
+            closed: self.closed.subscribe(),
+        }
     }
 }
 
@@ -191,6 +157,7 @@ pub fn capped<L: Accept>(
                             io,
                             _slot: slot,
                             first_byte: Some(Box::pin(tokio::time::sleep(FIRST_BYTE_DEADLINE))),
+                            closed: watch::channel(false).0,
                         };
                         return Some((Ok(conn), (listener, slots, backoff, refused)));
                     }
@@ -202,24 +169,4 @@ pub fn capped<L: Accept>(
             }
         },
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn resource_errors_back_off_exponentially_to_a_second() {
-        let mut b = AcceptBackoff::new("test");
-        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
-        let waits: Vec<Duration> = (0..10).map(|_| b.failed(&emfile)).collect();
-        assert_eq!(waits[0], Duration::from_millis(10));
-        assert_eq!(waits[1], Duration::from_millis(20));
-        assert_eq!(*waits.last().unwrap(), Duration::from_secs(1));
-        b.succeeded();
-        assert_eq!(b.failed(&emfile), Duration::from_millis(10));
-        // Other errors (a peer that reset before accept) retry soon.
-        let reset = io::Error::from_raw_os_error(libc::ECONNABORTED);
-        assert_eq!(b.failed(&reset), Duration::from_millis(10));
-    }
 }

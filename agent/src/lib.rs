@@ -21,7 +21,6 @@ pub mod readiness;
 pub mod registry;
 pub mod rpc;
 pub mod server;
-pub mod shutdown;
 pub mod status;
 pub mod telemetry;
 

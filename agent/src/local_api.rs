@@ -12,6 +12,7 @@ use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status};
 
 use crate::error::Error;
+use crate::incoming::Connection;
 use crate::node::{Node, RegionSource, Transfer};
 use crate::registry::{Event, SegmentEntry};
 use crate::status;
@@ -22,6 +23,7 @@ use kvfabric_proto::pb::{
     RegisterSegmentResponse, SegmentEvent, StatusRequest, StatusResponse, SubmitRequest,
     SubmitResponse, WatchSegmentsRequest, region_spec, segment_event,
 };
+use tonic::transport::server::UdsConnectInfo;
 use tracing::{Instrument, field, info_span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -169,6 +171,10 @@ impl LocalAgent for LocalApi {
         &self,
         request: Request<RegisterSegmentRequest>,
     ) -> Result<Response<RegisterSegmentResponse>, Status> {
+        let connection = request
+            .extensions()
+            .get::<Connection<UdsConnectInfo>>()
+            .cloned();
         let req = request.into_inner();
         let mut sources = Vec::with_capacity(req.regions.len());
         for (i, spec) in req.regions.into_iter().enumerate() {
@@ -194,6 +200,13 @@ impl LocalAgent for LocalApi {
         }
         let registered = self.node.register(&req.name, sources, req.key).await?;
         let segment = &registered.segment;
+        if let Some(connection) = connection.filter(|_| !req.detached) {
+            let (node, owned) = (self.node.clone(), segment.clone());
+            tokio::spawn(async move {
+                connection.closed().await;
+                node.release_with_owner(&owned).await;
+            });
+        }
         Ok(Response::new(RegisterSegmentResponse {
             published: registered.published,
             name: segment.name.clone(),

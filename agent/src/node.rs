@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use kvfabric_engine::{
     AccessKey, Batch, BatchOps, BlockOp, CudaExport, DataSecret, Engine, IpcHandle, Location,
-    Opcode, Peer, Preference, Region, RegionId, SegmentDescriptor, TransportKind,
+    Opcode, Peer, Preference, Region, RegionDesc, RegionId, SegmentDescriptor, TransportKind,
 };
 use serde::Serialize;
-use tracing::{Instrument, field, info, info_span, warn};
+use tracing::{Instrument, debug, field, info, info_span, warn};
 
 use crate::error::{Error, Result};
 use crate::fd_stash::FdStash;
@@ -61,6 +61,19 @@ pub struct Link {
     pub batches: AtomicU64,
     pub errors: AtomicU64,
     pub opened: Instant,
+    /// The peer agent this link reached: a restarted agent (another start time or address in
+    /// the registry) has other regions and another data secret, so the link is dropped.
+    peer_instance: (u64, u64),
+    peer_addr: SocketAddr,
+    /// Segments whose regions the peer gave for a key, and that key.
+    learned: tokio::sync::Mutex<HashMap<String, u64>>,
+}
+
+impl Link {
+    fn reaches(&self, agent: &AgentEntry) -> bool {
+        self.peer_instance == (agent.started_at, agent.instance)
+            && self.peer_addr == agent.peer_addr
+    }
 }
 
 /// A registration request, decoded from whichever API carried it.
@@ -136,6 +149,8 @@ pub struct Node {
     /// Memfds handed over on the fd socket, waiting for their RegisterSegment.
     pub fds: FdStash,
     links: tokio::sync::Mutex<HashMap<(String, TransportKind), Arc<Link>>>,
+    /// One gate per peer agent, held while dialling it.
+    dialing: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Bytes moved through links that have since been closed, so totals never go backwards.
     closed_bytes: AtomicU64,
     /// Peer agents RDMA was given up for (the engine's retry policy failed it), with why: their
@@ -161,6 +176,7 @@ impl Node {
             registrations: tokio::sync::Mutex::default(),
             fds: FdStash::default(),
             links: tokio::sync::Mutex::default(),
+            dialing: Mutex::default(),
             closed_bytes: AtomicU64::new(0),
             rdma_given_up: Mutex::default(),
         })
@@ -372,6 +388,37 @@ impl Node {
         Ok(())
     }
 
+    /// Deregisters `segment` because the connection that registered it closed (its worker is
+    /// gone), unless it was deregistered (or replaced) meanwhile.
+    pub async fn release_with_owner(&self, segment: &Arc<LocalSegment>) {
+        let current = self
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&segment.name)
+            .is_some_and(|s| Arc::ptr_eq(s, segment));
+        if !current {
+            return;
+        }
+        loop {
+            match self.deregister(&segment.name, segment.key.0).await {
+                Ok(()) => {
+                    info!(segment = %segment.name, "its worker's connection closed: deregistered");
+                    return;
+                }
+                // Registry unreachable: the segment stays in both places until it answers.
+                Err(Error::RegistryUnavailable { .. }) => {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                // Deregistered meanwhile, or refused for good.
+                Err(e) => {
+                    debug!(segment = %segment.name, error = %e, "not deregistered after its worker left");
+                    return;
+                }
+            }
+        }
+    }
+
     /// Releases every segment's memory once no transfer uses it (graceful shutdown; the
     /// registry shutdown has already deleted the keys).
     pub async fn release_all(&self) {
@@ -522,7 +569,7 @@ impl Node {
         let link = self.link(&remote, gpu_only).await?;
         span.record("kvfabric.transport", link.peer.transport().to_string());
         span.record("kvfabric.transport.reason", link.reason.as_str());
-        self.learn_segment(&link, &remote).await?;
+        self.learn_segment(&link, &remote, t.remote_key).await?;
         let wrong = |r: &SegmentRegion| {
             link.peer
                 .region_key(r.id)
@@ -655,13 +702,58 @@ impl Node {
             .copied()
             .filter(|k| gpu || *k != TransportKind::CudaIpc)
             .collect();
-        let mut links = self.links.lock().await;
-        if let Some(link) = candidates
-            .iter()
-            .find_map(|k| links.get(&(agent.name.clone(), *k)))
-        {
-            return Ok(link.clone());
+        if let Some(link) = self.cached_link(&agent, &candidates).await {
+            return Ok(link);
         }
+        // One dial per peer at a time, and none under the cache's lock: a peer that hangs
+        // stalls only the batches meant for it, and only until the deadline.
+        let gate = self
+            .dialing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(agent.name.clone())
+            .or_default()
+            .clone();
+        let _one_dial = gate.lock().await;
+        if let Some(link) = self.cached_link(&agent, &candidates).await {
+            return Ok(link);
+        }
+        let deadline = self.config.connect_timeout * 3;
+        tokio::time::timeout(deadline, self.dial(&agent, candidates))
+            .await
+            .map_err(|_| Error::PeerAgent {
+                agent: agent.name.clone(),
+                addr: agent.peer_addr.to_string(),
+                reason: format!(
+                    "not reached within {deadline:?} (peer API, data connection and handshake)"
+                ),
+            })?
+    }
+
+    /// A cached link to `agent` over one of `candidates`; a link to an earlier run of the agent
+    /// is dropped instead.
+    async fn cached_link(
+        &self,
+        agent: &AgentEntry,
+        candidates: &[TransportKind],
+    ) -> Option<Arc<Link>> {
+        let found = {
+            let links = self.links.lock().await;
+            candidates
+                .iter()
+                .find_map(|k| links.get(&(agent.name.clone(), *k)))
+                .cloned()
+        }?;
+        if found.reaches(agent) {
+            return Some(found);
+        }
+        info!(agent = %agent.name, "the peer agent restarted: its data connection is re-opened");
+        self.forget(&found).await;
+        None
+    }
+
+    /// Opens a link to `agent` over the first of `candidates` that works.
+    async fn dial(&self, agent: &AgentEntry, candidates: Vec<TransportKind>) -> Result<Arc<Link>> {
         let select = info_span!(
             "kvfabric.transport.select",
             kvfabric.peer = %agent.name,
@@ -670,13 +762,13 @@ impl Node {
             kvfabric.fallback = field::Empty,
         );
         let (descriptor, secret) = self
-            .peer_descriptor(&agent)
+            .peer_descriptor(agent)
             .instrument(select.clone())
             .await?;
         let mut refused = Vec::new();
         for kind in candidates {
             let rdma = match kind {
-                TransportKind::Rdma => match self.rdma_exchange(&agent) {
+                TransportKind::Rdma => match self.rdma_exchange(agent) {
                     Ok(x) => Some(x),
                     Err(why) => {
                         refused.push(format!("{kind} not possible: {why}"));
@@ -711,8 +803,14 @@ impl Node {
                         batches: AtomicU64::new(0),
                         errors: AtomicU64::new(0),
                         opened: Instant::now(),
+                        peer_instance: (agent.started_at, agent.instance),
+                        peer_addr: agent.peer_addr,
+                        learned: tokio::sync::Mutex::default(),
                     });
-                    links.insert((agent.name.clone(), kind), link.clone());
+                    self.links
+                        .lock()
+                        .await
+                        .insert((agent.name.clone(), kind), link.clone());
                     return Ok(link);
                 }
                 Err(e) => refused.push(format!("{kind} not possible: {e}")),
@@ -752,10 +850,23 @@ impl Node {
         }
     }
 
-    /// Makes sure the link knows every region of `segment`: one more handshake when it lacks
-    /// some (the segment was registered after the link opened).
-    async fn learn_segment(&self, link: &Link, segment: &SegmentEntry) -> Result<()> {
-        if unserved(link, segment).is_none() {
+    /// The regions of a segment registered here, with what reaching them takes, for its key
+    /// (the peer API's SegmentAccess).
+    pub fn segment_regions(&self, name: &str, key: u64) -> Result<Vec<RegionDesc>> {
+        let segment = self.local_segment(name, key)?;
+        let ids: Vec<RegionId> = segment.regions.iter().map(|r| r.id()).collect();
+        let mut regions = self.descriptor().regions;
+        regions.retain(|r| ids.contains(&r.id));
+        Ok(regions)
+    }
+
+    /// Makes sure the link knows every region of `segment` as the holder of `key` may reach
+    /// them: asked of the peer (which checks the key) the first time, and again when the key
+    /// or the segment's regions changed. Regions of segments the registry no longer lists for
+    /// the peer are forgotten on the way, so what a link knows stays bounded.
+    async fn learn_segment(&self, link: &Link, segment: &SegmentEntry, key: u64) -> Result<()> {
+        let mut learned = link.learned.lock().await;
+        if learned.get(&segment.name) == Some(&key) && unserved(link, segment).is_none() {
             return Ok(());
         }
         let agent = self
@@ -765,15 +876,36 @@ impl Node {
                 agent: link.agent.clone(),
                 segment: segment.name.clone(),
             })?;
-        link.peer
-            .set_descriptor(self.peer_descriptor(&agent).await?.0);
+        let fresh = if agent.name == self.config.name {
+            self.segment_regions(&segment.name, key)?
+        } else {
+            self.caller()
+                .segment_access(&agent, &segment.name, key)
+                .await?
+        };
+        let listed = self.registry.segments();
+        let live: std::collections::HashSet<RegionId> = listed
+            .values()
+            .filter(|s| s.agent == link.agent)
+            .flat_map(|s| s.regions.iter().map(|r| r.id))
+            .collect();
+        let mut descriptor = link.peer.descriptor();
+        descriptor
+            .regions
+            .retain(|r| live.contains(&r.id) && !fresh.iter().any(|f| f.id == r.id));
+        descriptor.regions.extend(fresh);
+        link.peer.set_descriptor(descriptor);
+        learned.retain(|name, _| listed.contains_key(name));
+        learned.insert(segment.name.clone(), key);
         if let Some(r) = unserved(link, segment) {
+            learned.remove(&segment.name);
             return Err(Error::PeerAgent {
                 agent: link.agent.clone(),
                 addr: agent.peer_addr.to_string(),
                 reason: format!(
                     "does not serve region {} of segment {:?} (the registry entry is stale)",
-                    r.id, segment.name
+                    r.id,
+                    kvfabric_proto::limits::echo(&segment.name)
                 ),
             });
         }

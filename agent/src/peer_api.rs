@@ -12,6 +12,7 @@ use crate::node::Node;
 use kvfabric_proto::pb::peer_agent_server::PeerAgent;
 use kvfabric_proto::pb::{
     HandshakeRequest, HandshakeResponse, RdmaConnectRequest, RdmaConnectResponse,
+    SegmentAccessRequest, SegmentAccessResponse,
 };
 
 #[derive(Debug, Clone)]
@@ -42,11 +43,27 @@ impl PeerAgent for PeerApi {
         self.admit(&request.get_ref().fabric)?;
         let req = request.into_inner();
         debug!(peer = %req.agent, "peer handshake");
+        // Endpoints only: what reaching a region takes is given per segment, for its key.
+        let mut descriptor = self.node.descriptor();
+        descriptor.regions.clear();
         Ok(Response::new(HandshakeResponse {
             agent: self.node.config.name.clone(),
-            descriptor: self.node.descriptor().to_json(),
+            descriptor: descriptor.to_json(),
             data_secret: self.node.engine.data_secret().as_bytes().to_vec(),
         }))
+    }
+
+    async fn segment_access(
+        &self,
+        request: Request<SegmentAccessRequest>,
+    ) -> Result<Response<SegmentAccessResponse>, Status> {
+        self.admit(&request.get_ref().fabric)?;
+        let req = request.into_inner();
+        let regions = self.node.segment_regions(&req.segment, req.key)?;
+        debug!(peer = %req.agent, segment = %req.segment, "segment access");
+        let regions_json = serde_json::to_string(&regions)
+            .map_err(|e| Status::internal(format!("regions: {e}")))?;
+        Ok(Response::new(SegmentAccessResponse { regions_json }))
     }
 
     async fn rdma_connect(

@@ -4,15 +4,17 @@
 
 use std::time::Duration;
 
-use kvfabric_engine::{ConnectInfo, DataSecret, RdmaExchange, SegmentDescriptor, TransportKind};
-use tonic::Request;
+use kvfabric_engine::{
+    ConnectInfo, DataSecret, RdmaExchange, RegionDesc, SegmentDescriptor, TransportKind,
+};
 use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request};
 
 use crate::error::{Error, Result};
 use crate::peer_token::PeerToken;
 use crate::registry::AgentEntry;
 use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
-use kvfabric_proto::pb::{HandshakeRequest, RdmaConnectRequest};
+use kvfabric_proto::pb::{HandshakeRequest, RdmaConnectRequest, SegmentAccessRequest};
 
 fn failure(agent: &AgentEntry, reason: String) -> Error {
     Error::PeerAgent {
@@ -52,7 +54,7 @@ impl Caller {
         request
     }
 
-    /// The data-plane descriptor of `agent`, region keys included, and its engine's data secret.
+    /// The data-plane descriptor of `agent` (endpoints, no regions) and its engine's data secret.
     pub async fn handshake(&self, agent: &AgentEntry) -> Result<(SegmentDescriptor, DataSecret)> {
         let fail = |reason: String| failure(agent, reason);
         let reply = dial(agent, self.timeout)
@@ -74,6 +76,41 @@ impl Caller {
         let descriptor =
             SegmentDescriptor::from_json(&reply.descriptor).map_err(|e| fail(e.to_string()))?;
         Ok((descriptor, secret))
+    }
+
+    /// The regions of `segment` at `agent`, for the segment's `key`.
+    pub async fn segment_access(
+        &self,
+        agent: &AgentEntry,
+        segment: &str,
+        key: u64,
+    ) -> Result<Vec<RegionDesc>> {
+        let reply = dial(agent, self.timeout)
+            .await?
+            .segment_access(self.request(SegmentAccessRequest {
+                fabric: self.fabric.clone(),
+                agent: self.me.clone(),
+                segment: segment.into(),
+                key,
+            }))
+            .await
+            .map_err(|s| match s.code() {
+                Code::PermissionDenied => Error::WrongKey {
+                    name: segment.into(),
+                },
+                Code::NotFound => Error::PeerAgent {
+                    agent: agent.name.clone(),
+                    addr: agent.peer_addr.to_string(),
+                    reason: format!(
+                        "does not serve segment {:?} (the registry entry is stale)",
+                        kvfabric_proto::limits::echo(segment)
+                    ),
+                },
+                _ => failure(agent, format!("segment access: {}", s.message())),
+            })?
+            .into_inner();
+        serde_json::from_str(&reply.regions_json)
+            .map_err(|e| failure(agent, format!("segment access: regions: {e}")))
     }
 
     /// Sends an rdma connection offer to `agent` and returns its answer.

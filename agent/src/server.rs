@@ -324,6 +324,7 @@ impl Agent {
                 peer_addr,
                 devices,
                 started_at,
+                instance: rand::random(),
             })
             .await?;
         readiness.set(true).await;

@@ -545,6 +545,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
             })),
         }],
         key: 0,
+        detached: false,
     };
     let s = grpc.register_segment(malformed).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
@@ -561,6 +562,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
             })),
         }],
         key: 0,
+        detached: false,
     };
     let s = grpc.register_segment(not_a_uuid).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
@@ -577,6 +579,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
             })),
         }],
         key: 0,
+        detached: false,
     };
     let s = grpc.register_segment(bogus_token).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");

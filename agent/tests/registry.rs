@@ -29,6 +29,7 @@ fn agent(name: &str) -> AgentEntry {
         peer_addr: SocketAddr::from(([127, 0, 0, 1], 50051)),
         devices: Devices::default(),
         started_at: 1_700_000_000,
+        instance: 0,
     }
 }
 
@@ -44,16 +45,9 @@ fn segment(name: &str, agent: &str) -> SegmentEntry {
     }
 }
 
-/// A fresh etcd, or `None` (test skipped) where the binary is missing.
+/// A fresh etcd, or `None` (a counted skip; a failure in CI) where the binary is missing.
 async fn etcd() -> Option<EtcdServer> {
-    match EtcdServer::start().await {
-        Ok(etcd) => Some(etcd),
-        Err(e @ kvfabric_testkit::Error::EtcdNotFound { .. }) => {
-            eprintln!("skipped: no etcd binary ({e})");
-            None
-        }
-        Err(e) => panic!("etcd did not start: {e}"),
-    }
+    EtcdServer::or_skip(EtcdServer::start().await)
 }
 
 fn config(etcd: &EtcdServer, fabric: &str) -> EtcdConfig {
@@ -422,17 +416,8 @@ async fn etcd_credentials_are_checked() {
 
 #[tokio::test]
 async fn etcd_over_tls_with_a_client_certificate() {
-    let etcd = match EtcdServer::start_tls().await {
-        Ok(etcd) => etcd,
-        Err(e @ kvfabric_testkit::Error::EtcdNotFound { .. }) => {
-            return eprintln!("skipped: no etcd binary ({e})");
-        }
-        Err(kvfabric_testkit::Error::Io { context, source })
-            if context.starts_with("run openssl") =>
-        {
-            return eprintln!("skipped: no openssl command ({source})");
-        }
-        Err(e) => panic!("etcd with TLS did not start: {e}"),
+    let Some(etcd) = EtcdServer::or_skip(EtcdServer::start_tls().await) else {
+        return;
     };
     assert!(etcd.endpoint().starts_with("https://"));
     let mut cfg = config(&etcd, "f");
@@ -471,12 +456,10 @@ async fn etcd_over_tls_with_a_client_certificate() {
 
 #[tokio::test]
 async fn etcd_server_start_on_an_explicit_ip_and_kill() {
-    let mut etcd = match EtcdServer::start_on("127.0.0.1".parse().unwrap()).await {
-        Ok(etcd) => etcd,
-        Err(e @ kvfabric_testkit::Error::EtcdNotFound { .. }) => {
-            return eprintln!("skipped: no etcd binary ({e})");
-        }
-        Err(e) => panic!("etcd did not start: {e}"),
+    let Some(mut etcd) =
+        EtcdServer::or_skip(EtcdServer::start_on("127.0.0.1".parse().unwrap()).await)
+    else {
+        return;
     };
     assert!(etcd.endpoint().starts_with("http://127.0.0.1:"));
     assert!(etcd.is_running());

@@ -55,7 +55,7 @@ pub async fn main(args: BenchArgs, filter: tracing_subscriber::EnvFilter) -> Res
 
 async fn run(args: BenchArgs, telemetry: &Telemetry) -> Result<()> {
     if let Some(addr) = args.serve {
-        return server::run(&args, addr, kvfabric_agent::shutdown::signal()).await;
+        return server::run(&args, addr, kvfabric_rt::shutdown::signal()).await;
     }
     let layout = Layout {
         args: args.layout.clone(),

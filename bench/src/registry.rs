@@ -391,6 +391,7 @@ fn agent_entry(i: usize) -> AgentEntry {
         peer_addr: SocketAddr::new(ip.into(), 50051),
         devices: Devices::default(),
         started_at: 1_700_000_000,
+        instance: 0,
     }
 }
 

@@ -131,7 +131,7 @@ async fn agent(cmd: AgentCommand, filter: EnvFilter) -> Result<(), Failed> {
         if let Ok(line) = serde_json::to_string(agent.ready()) {
             println!("{line}");
         }
-        agent.serve(kvfabric_agent::shutdown::signal()).await
+        agent.serve(kvfabric_rt::shutdown::signal()).await
     }
     .await;
     telemetry.shutdown();

@@ -10,6 +10,8 @@ pub enum Error {
 
     /// The agent answered a call with an error status: `code` says what kind (retry on
     /// `Unavailable`, fix the request on `InvalidArgument`, …), `message` the agent's words.
+    /// `Unavailable` too when the agent could not be reached or its connection broke mid-call
+    /// (it died or restarts): the same `Client` dials it again on the next call.
     #[error("{call} at the local agent {path}: {code:?}: {message}")]
     Rpc {
         call: &'static str,

@@ -37,6 +37,7 @@ use kvfabric_proto::pb::{
     StatusRequest, SubmitRequest, SubmitResponse, WatchSegmentsRequest, region_spec,
 };
 use kvfabric_proto::status::StatusDoc;
+use tonic::Code;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tower::service_fn;
 use tracing::Instrument;
@@ -172,11 +173,19 @@ impl Client {
     }
 
     fn rpc_error(&self, call: &'static str, s: tonic::Status) -> Error {
+        let (code, message) = match std::error::Error::source(&s) {
+            // The agent's answers are decoded from the wire and carry no source; a status with
+            // one was made here from a broken or refused connection (tonic says Unknown
+            // "transport error", or Internal for an h2 reset): the agent is unavailable, and
+            // the channel dials it again on the next call.
+            Some(cause) => (Code::Unavailable, causes(s.message(), cause)),
+            None => (s.code(), s.message().to_owned()),
+        };
         Error::Rpc {
             call,
             path: self.socket_dir.join(socket::LOCAL).display().to_string(),
-            code: s.code(),
-            message: s.message().to_owned(),
+            code,
+            message,
         }
     }
 
@@ -236,6 +245,7 @@ impl Client {
                 name: name.into(),
                 regions: specs,
                 key: key.unwrap_or(0),
+                detached: false,
             })
             .await
             .map_err(|s| self.rpc_error("RegisterSegment", s))?
@@ -433,4 +443,20 @@ fn blocks(request: &SubmitRequest) -> usize {
         Some(t) => t.planes.len().saturating_mul(t.local_blocks.len()),
         None => request.ops.len(),
     }
+}
+
+/// `what` and the causes under it, outermost first (tonic's own words, "transport error", say
+/// nothing of the cause); a cause that repeats the words before it is left out.
+fn causes(what: &str, cause: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = what.to_owned();
+    let mut next = Some(cause);
+    while let Some(e) = next {
+        let words = e.to_string();
+        if !text.ends_with(&words) {
+            text.push_str(": ");
+            text.push_str(&words);
+        }
+        next = e.source();
+    }
+    text
 }

@@ -1,11 +1,18 @@
 //! The caller's trace context, carried to the agent as W3C `traceparent` gRPC metadata, so a
 //! worker that exports traces sees the whole transfer under its own span.
 
-use opentelemetry::trace::TraceContextExt;
-use tracing_opentelemetry::OpenTelemetrySpanExt;
+/// `traceparent` of the current `tracing` span, when it belongs to an OpenTelemetry trace
+/// (feature `otel`; without it, never).
+#[cfg(not(feature = "otel"))]
+pub fn current_traceparent() -> Option<String> {
+    None
+}
 
 /// `traceparent` of the current `tracing` span, when it belongs to an OpenTelemetry trace.
+#[cfg(feature = "otel")]
 pub fn current_traceparent() -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
     let cx = tracing::Span::current().context();
     let sc = cx.span().span_context().clone();
     sc.is_valid().then(|| {

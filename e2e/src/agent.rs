@@ -10,28 +10,70 @@ use crate::net::Host;
 /// The `kvfabric` binary of this workspace, rebuilt once per test process when stale (a lone
 /// `cargo test -p kvfabric-e2e` does not rebuild other packages' binaries).
 pub fn kvfabric_bin() -> PathBuf {
-    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BIN.get_or_init(|| {
+    binaries().join("kvfabric")
+}
+
+/// The `kvfabric-operator` binary of this workspace, built with [`kvfabric_bin`].
+pub fn operator_bin() -> PathBuf {
+    binaries().join("kvfabric-operator")
+}
+
+/// Builds both binaries in one cargo run, once per test process, and returns the directory
+/// that holds them. One run: built apart, their shared dependencies get different features
+/// each time, and each build undoes the other's (a minute of rebuilding per test binary).
+fn binaries() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
         let exe = std::env::current_exe().expect("test binary path");
-        // target/<profile>/deps/<test> → target/<profile>/kvfabric
+        // target/<profile>/deps/<test> → target/<profile>/
         let profile_dir = exe
             .parent()
             .and_then(Path::parent)
             .expect("target profile dir")
             .to_path_buf();
         let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-        cargo.args(["build", "-q", "-p", "kvfabric-cli", "--bin", "kvfabric"]);
+        cargo.args([
+            "build",
+            "-q",
+            "-p",
+            "kvfabric-cli",
+            "--bin",
+            "kvfabric",
+            "-p",
+            "kvfabric-operator",
+            "--bin",
+            "kvfabric-operator",
+        ]);
         if profile_dir.ends_with("release") {
             cargo.arg("--release");
         }
-        let bin = profile_dir.join("kvfabric");
+        // What cargo set for this test process describes the e2e package, not the build:
+        // build scripts that watch such variables (ring's watch CARGO_PKG_NAME) would rerun
+        // and rebuild everything above them on every test run.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            if [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_BIN_",
+                "CARGO_CRATE_",
+            ]
+            .iter()
+            .any(|p| name.starts_with(p))
+                || ["CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR"].contains(&name.as_ref())
+            {
+                cargo.env_remove(name.as_ref());
+            }
+        }
         // A failed build must fail the tests: an older binary left in target/ would test code
         // that is not this tree's.
-        let status = cargo
-            .status()
-            .expect("run cargo to build the kvfabric binary");
-        assert!(status.success(), "could not build {}", bin.display());
-        bin
+        let status = cargo.status().expect("run cargo to build the binaries");
+        assert!(
+            status.success(),
+            "could not build kvfabric and kvfabric-operator into {}",
+            profile_dir.display()
+        );
+        profile_dir
     })
     .clone()
 }
@@ -44,6 +86,10 @@ pub struct AgentProcess {
     pub ready: Ready,
     child: Option<Child>,
     dir: tempfile::TempDir,
+    /// How it was started, for [`AgentProcess::restart`].
+    netns: Option<String>,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl AgentProcess {
@@ -61,7 +107,6 @@ impl AgentProcess {
         env: &[(&str, &str)],
     ) -> AgentProcess {
         let dir = tempfile::tempdir().expect("socket dir");
-        let bin = kvfabric_bin();
         let ip = host.ip.to_string();
         let mut args: Vec<String> = vec![
             "agent".into(),
@@ -83,44 +128,36 @@ impl AgentProcess {
             etcd.into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut cmd = match &host.netns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(&bin);
-                c
-            }
-            None => Command::new(&bin),
-        };
-        cmd.args(&args)
-            .envs(env.iter().copied())
-            .env("KVFABRIC_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(
-                std::fs::File::create(dir.path().join("agent.log")).expect("agent log"),
-            ));
-        let mut child = cmd.spawn().expect("spawn kvfabric agent");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default();
-        let ready: Ready = match serde_json::from_str(&line) {
-            Ok(r) => r,
-            Err(_) => {
-                let _ = child.kill();
-                let log = std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default();
-                panic!("agent {name} did not start (line {line:?}); log:\n{log}");
-            }
-        };
+        let netns = host.netns.clone();
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let (child, ready) = launch(name, dir.path(), netns.as_deref(), &args, &env);
         AgentProcess {
             name: name.into(),
             ready,
             child: Some(child),
             dir,
+            netns,
+            args,
+            env,
         }
+    }
+
+    /// Starts the agent again after it stopped: same name, flags and socket directory (new
+    /// ports), as a restarted pod of the DaemonSet would come back.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "agent {} still runs", self.name);
+        let (child, ready) = launch(
+            &self.name,
+            self.dir.path(),
+            self.netns.as_deref(),
+            &self.args,
+            &self.env,
+        );
+        self.child = Some(child);
+        self.ready = ready;
     }
 
     pub fn socket_dir(&self) -> &Path {
@@ -140,22 +177,90 @@ impl AgentProcess {
         }
     }
 
-    /// SIGTERM and wait: the agent drains and deletes its keys. Returns its exit code.
-    pub fn terminate(&mut self) -> Option<i32> {
-        let mut c = self.child.take()?;
-        let _ = Command::new("kill")
+    /// Sends SIGTERM (the agent starts draining) and returns at once.
+    pub fn sigterm(&self) {
+        let c = self.child.as_ref().expect("agent runs");
+        let status = Command::new("kill")
             .args(["-TERM", &c.id().to_string()])
-            .status();
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {}", c.id());
+    }
+
+    /// Waits up to `limit` for the agent to exit and returns its exit code (None: killed by a
+    /// signal); SIGKILLs it and panics when it does not exit in time.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
+        let mut c = self.child.take().expect("agent runs");
+        let deadline = std::time::Instant::now() + limit;
         loop {
             if let Ok(Some(status)) = c.try_wait() {
                 return status.code();
             }
             if std::time::Instant::now() > deadline {
                 let _ = c.kill();
-                return None;
+                let _ = c.wait();
+                panic!(
+                    "agent {} did not exit within {limit:?}; log:\n{}",
+                    self.name,
+                    self.log()
+                );
             }
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGTERM and wait (20 s): the agent drains and deletes its keys. Returns its exit code.
+    pub fn terminate(&mut self) -> Option<i32> {
+        self.sigterm();
+        self.wait_exit(Duration::from_secs(20))
+    }
+}
+
+/// Runs the binary (in `netns`, if any) with its log appended to `dir/agent.log` and waits (30 s)
+/// for its ready line; panics with the log if none comes.
+fn launch(
+    name: &str,
+    dir: &Path,
+    netns: Option<&str>,
+    args: &[String],
+    env: &[(String, String)],
+) -> (Child, Ready) {
+    let bin = kvfabric_bin();
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(&bin);
+            c
+        }
+        None => Command::new(&bin),
+    };
+    let log_path = dir.join("agent.log");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .expect("agent log");
+    cmd.args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("KVFABRIC_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log));
+    let mut child = cmd.spawn().expect("spawn kvfabric agent");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default();
+    match serde_json::from_str(&line) {
+        Ok(ready) => (child, ready),
+        Err(_) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            panic!("agent {name} did not start (line {line:?}); log:\n{log}");
         }
     }
 }

@@ -6,5 +6,5 @@ pub mod agent;
 pub mod net;
 pub mod worker;
 
-pub use agent::{AgentProcess, kvfabric_bin};
+pub use agent::{AgentProcess, kvfabric_bin, operator_bin};
 pub use net::{Host, Network};

@@ -1,10 +1,13 @@
 //! Network namespaces joined by veth pairs on one bridge: each agent gets its own "host" with its
-//! own address, links can be cut and restored. Where namespaces cannot be made (no root, no
-//! `ip`), every host is loopback and the reason is printed.
+//! own address, links can be cut and restored and their rate limited. Where namespaces cannot be
+//! made (no root, no `ip`), every host is loopback and the test records a skip
+//! (`kvfabric_testkit::skip`): in CI that fails it.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
+
+use kvfabric_testkit::skip::{Why, skip};
 
 /// One emulated machine.
 #[derive(Debug, Clone)]
@@ -30,28 +33,42 @@ pub struct Network {
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
+    run("ip", args)
+}
+
+fn tc(args: &[&str]) -> Result<(), String> {
+    run("tc", args)
+}
+
+/// Runs `program` (of iproute2) with `args`; its stderr is the error.
+fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    let what = || format!("{program} {}", args.join(" "));
+    let out = Command::new(program)
         .args(args)
         .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+        .map_err(|e| format!("{}: {e} (apt-get install iproute2)", what()))?;
     if out.status.success() {
         Ok(())
     } else {
         Err(format!(
-            "ip {}: {}",
-            args.join(" "),
+            "{}: {}",
+            what(),
             String::from_utf8_lossy(&out.stderr).trim()
         ))
     }
 }
 
 impl Network {
-    /// `n` hosts on a fresh bridge, or loopback with the reason printed.
+    /// `n` hosts on a fresh bridge, or loopback with a recorded skip (a failure in CI).
+    #[track_caller]
     pub fn new(n: usize) -> Network {
         match Network::namespaces(n) {
             Ok(net) => net,
             Err(reason) => {
-                println!("network namespaces unavailable ({reason}); falling back to loopback");
+                skip(
+                    Why::Missing("network namespaces"),
+                    format!("{reason}; every host is loopback, links cannot be cut"),
+                );
                 Network {
                     bridge: None,
                     gateway: IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -135,6 +152,29 @@ impl Network {
             &h.dev,
             if up { "up" } else { "down" },
         ])
+    }
+
+    /// Limits what `host` sends to `mbit` megabits per second (a token bucket on its link), so
+    /// a batch it serves takes long enough to be watched and interrupted.
+    pub fn limit_rate(&self, host: usize, mbit: u32) -> Result<(), String> {
+        let h = &self.hosts[host];
+        let Some(ns) = &h.netns else {
+            return Err("no namespaces: rates cannot be limited on loopback".into());
+        };
+        let rate = format!("{mbit}mbit");
+        tc(&[
+            "-n", ns, "qdisc", "replace", "dev", &h.dev, "root", "tbf", "rate", &rate, "burst",
+            "256kb", "latency", "100ms",
+        ])
+    }
+
+    /// Lifts [`Network::limit_rate`].
+    pub fn unlimit_rate(&self, host: usize) -> Result<(), String> {
+        let h = &self.hosts[host];
+        let Some(ns) = &h.netns else {
+            return Err("no namespaces: rates cannot be limited on loopback".into());
+        };
+        tc(&["-n", ns, "qdisc", "del", "dev", &h.dev, "root"])
     }
 }
 

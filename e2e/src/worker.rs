@@ -7,9 +7,15 @@ use rand::{RngCore, SeedableRng};
 /// `len` bytes of seeded random data in memory an agent can adopt.
 pub fn random_memory(len: u64, seed: u64) -> HostMemory {
     let m = HostMemory::alloc(len).expect("memfd");
-    // SAFETY: nothing transfers into fresh memory yet.
-    rand::rngs::SmallRng::seed_from_u64(seed).fill_bytes(unsafe { m.as_mut_slice() });
+    refill(&m, seed);
     m
+}
+
+/// Overwrites all of `m` with fresh seeded random bytes, so a later check cannot pass on what
+/// an earlier transfer left there. No batch may use `m` meanwhile.
+pub fn refill(m: &HostMemory, seed: u64) {
+    // SAFETY: callers refill only while no batch reads or writes `m`.
+    rand::rngs::SmallRng::seed_from_u64(seed).fill_bytes(unsafe { m.as_mut_slice() });
 }
 
 /// `n` block pulls: local block i ← remote block (i·7 mod blocks), a scattered pattern.

@@ -18,30 +18,8 @@ fn workspace() -> PathBuf {
         .to_path_buf()
 }
 
-fn operator_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
-    let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cargo.args([
-        "build",
-        "-q",
-        "-p",
-        "kvfabric-operator",
-        "--bin",
-        "kvfabric-operator",
-    ]);
-    if profile.ends_with("release") {
-        cargo.arg("--release");
-    }
-    assert!(
-        cargo.status().unwrap().success(),
-        "building the operator failed"
-    );
-    profile.join("kvfabric-operator")
-}
-
 fn rendered(example: &str) -> Vec<Value> {
-    let out = Command::new(operator_bin())
+    let out = Command::new(kvfabric_e2e::operator_bin())
         .args(["render", "--file"])
         .arg(workspace().join(example))
         .output()

@@ -4,15 +4,19 @@
 mod common;
 
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use common::{BLOCK, TTL_SECS, etcd_on, sees, within};
+use common::{BLOCK, etcd_on, fabric_keys, keys_of, prefill_and_decode, sees, within};
 use kvfabric_client::{Client, Op};
 use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
 use kvfabric_e2e::{AgentProcess, Network, kvfabric_bin};
 use kvfabric_proto::pb::HandshakeRequest;
 use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
 use tonic::Code;
+
+/// A lease long enough that only a deletion removes keys within [`KEYS_GONE_WITHIN`].
+const TTL_SECS: u64 = 10;
+const KEYS_GONE_WITHIN: Duration = Duration::from_secs(1);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_pulls_prefill_blocks_across_namespaces_through_etcd() {
@@ -91,32 +95,43 @@ async fn decode_pulls_prefill_blocks_across_namespaces_through_etcd() {
         assert!(text.contains(needle), "status lacks {needle}:\n{text}");
     }
 
-    // Graceful stop deletes the agents' keys at once (not after the TTL).
-    assert_eq!(b.terminate(), Some(0), "{}", b.log());
-    assert_eq!(a.terminate(), Some(0), "{}", a.log());
-    let mut kv = etcd.client().await.unwrap();
-    let left = kv
-        .get(
-            "/kvfabric/default/e2e/",
-            Some(etcd_client::GetOptions::new().with_prefix()),
-        )
-        .await
-        .unwrap();
-    assert_eq!(left.kvs().len(), 0, "keys left after graceful stop");
+    // Graceful stop deletes each agent's keys at once: well under the lease TTL, which is
+    // long here so that expiry cannot pass for deletion.
+    for (agent, names) in [
+        (&mut b, ["decode-node", "decode-0"]),
+        (&mut a, ["prefill-node", "prefill-0"]),
+    ] {
+        let term = Instant::now();
+        agent.sigterm();
+        within(KEYS_GONE_WITHIN, "keys deleted on SIGTERM", || async {
+            keys_of(&etcd, &names).await.is_empty()
+        })
+        .await;
+        let took = term.elapsed();
+        println!(
+            "{} keys gone {took:?} after SIGTERM (TTL {TTL_SECS} s)",
+            agent.name
+        );
+        assert!(took < KEYS_GONE_WITHIN, "{took:?}");
+        assert_eq!(
+            agent.wait_exit(Duration::from_secs(20)),
+            Some(0),
+            "{}",
+            agent.log()
+        );
+    }
+    let left = fabric_keys(&etcd).await;
+    assert!(left.is_empty(), "keys left after graceful stop: {left:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_peer_api_refuses_strangers_and_garbage_and_keeps_serving() {
-    let net = Network::new(1);
+    let net = Network::new(2);
     let Some(etcd) = etcd_on(net.gateway).await else {
         return;
     };
-    let a = AgentProcess::spawn(
-        "node-a",
-        &net.hosts[0],
-        &etcd.endpoint(),
-        &["--transports", "tcp"],
-    );
+    let (a, _b, prefill, decode) =
+        prefill_and_decode(&net, &etcd, &["--transports", "tcp"], &[]).await;
     let peer = a.ready.peer;
     let mut grpc = PeerAgentClient::connect(format!("http://{peer}"))
         .await
@@ -140,12 +155,11 @@ async fn the_peer_api_refuses_strangers_and_garbage_and_keeps_serving() {
         let mut raw = std::net::TcpStream::connect(addr).unwrap();
         let _ = raw.write_all(&[0xff; 4096]);
     }
-    // Garbage on the fd socket.
-    {
+    // Garbage on the fd socket and on the local API's socket.
+    for socket in ["agent.fd.sock", "agent.sock"] {
         use std::io::Write;
-        let mut s =
-            std::os::unix::net::UnixStream::connect(a.socket_dir().join("agent.fd.sock")).unwrap();
-        let _ = s.write_all(b"not a memfd request");
+        let mut s = std::os::unix::net::UnixStream::connect(a.socket_dir().join(socket)).unwrap();
+        let _ = s.write_all(b"not a memfd request, not HTTP/2 either");
     }
     let ok = grpc
         .handshake(HandshakeRequest {
@@ -155,8 +169,24 @@ async fn the_peer_api_refuses_strangers_and_garbage_and_keeps_serving() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(ok.agent, "node-a");
-    let worker = Client::connect(a.socket_dir()).await.unwrap();
-    let m = random_memory(4096, 1);
-    worker.register("still-serving", &[&m], None).await.unwrap();
+    assert_eq!(ok.agent, "prefill-node");
+
+    // Real work afterwards, through every port the garbage hit: a registration (fd socket and
+    // local API), the decode agent's handshake (peer port) and the pull (data port).
+    let blocks = 64;
+    let src = random_memory(blocks * BLOCK, 21);
+    let dst = random_memory(blocks * BLOCK, 22);
+    let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let d = decode.register("decode-0", &[&dst], None).await.unwrap();
+    within(
+        Duration::from_secs(5),
+        "decode agent sees prefill-0",
+        || sees(&decode, "prefill-0"),
+    )
+    .await;
+    let ops = scattered(blocks, BLOCK, blocks);
+    let done = decode.read(&d, "prefill-0", p.key, &ops).await.unwrap();
+    assert_eq!(done.remote_agent, "prefill-node");
+    assert_eq!(done.bytes, blocks * BLOCK);
+    assert_eq!(first_mismatch(&ops, &dst, &src), None);
 }

@@ -171,7 +171,7 @@ pub fn serve_handshake(input: &[u8], segment_key: Option<u64>) -> (bool, Vec<u8>
         segment_key,
         idle_timeout: std::time::Duration::from_secs(1),
         handshake_timeout: std::time::Duration::from_secs(1),
-        auth_log: &crate::throttle::Throttle::new(std::time::Duration::from_secs(1)),
+        auth_log: &kvfabric_rt::Throttle::new(std::time::Duration::from_secs(1)),
     };
     let mut s = Scripted {
         input,

@@ -12,8 +12,8 @@ use crate::frame::{
 };
 use crate::segment::SegmentDescriptor;
 
-use crate::throttle::Throttle;
 use crate::transport::io::{Socket, Until, hang_up, read_body};
+use kvfabric_rt::Throttle;
 use tracing::{info, warn};
 
 pub(crate) fn read_header<R: Read>(r: &mut R, peer: &str) -> Result<Header> {

@@ -25,7 +25,6 @@ mod region_id;
 mod region_table;
 mod segment;
 mod table_manifest;
-mod throttle;
 pub mod transport;
 mod transport_kind;
 

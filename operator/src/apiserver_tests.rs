@@ -19,7 +19,6 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tower_test::mock;
 
-use crate::backoff::Backoff;
 use crate::config::AgentSettings;
 use crate::finalizer::{CleanupPolicy, EtcdAccess, EtcdTls, FINALIZER, RegistryCleaner};
 use crate::fixtures::{NS, UID, full};
@@ -27,6 +26,7 @@ use crate::meta::MANAGER;
 use crate::metrics::Metrics;
 use crate::reconcile::{Context, check_crd_installed, error_policy, reconcile, run_controller};
 use crate::{Error, Result};
+use kvfabric_rt::KeyedBackoff;
 
 /// One request as the fake API server saw it.
 #[derive(Debug, Clone)]
@@ -497,6 +497,10 @@ impl RegistryCleaner for FakeCleaner {
 }
 
 fn context(client: Client, cleaner: Arc<FakeCleaner>) -> Arc<Context> {
+    context_cleaning(client, cleaner)
+}
+
+fn context_cleaning(client: Client, cleaner: Arc<dyn RegistryCleaner>) -> Arc<Context> {
     Arc::new(Context {
         recorder: Recorder::new(
             client.clone(),
@@ -513,7 +517,7 @@ fn context(client: Client, cleaner: Arc<FakeCleaner>) -> Arc<Context> {
             timeout: Duration::from_millis(200),
             backoff: Duration::ZERO,
         },
-        backoff: Arc::new(Backoff::new(
+        backoff: Arc::new(KeyedBackoff::new(
             Duration::from_secs(5),
             Duration::from_secs(300),
         )),
@@ -860,6 +864,147 @@ async fn missing_etcd_secret_is_named_and_does_not_block_deletion() {
         );
     }
     assert!(cleaner.calls.lock().expect("lock").is_empty());
+}
+
+/// A Secret as the API server returns it (`data` base64-encoded by its serializer).
+fn secret(name: &str, data: &[(&str, Vec<u8>)]) -> Value {
+    let secret = k8s_openapi::api::core::v1::Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NS.into()),
+            ..Default::default()
+        },
+        data: Some(
+            data.iter()
+                .map(|(k, v)| ((*k).to_owned(), k8s_openapi::ByteString(v.clone())))
+                .collect(),
+        ),
+        ..Default::default()
+    };
+    let mut v = serde_json::to_value(secret).expect("serializes");
+    v["apiVersion"] = json!("v1");
+    v["kind"] = json!("Secret");
+    v
+}
+
+/// Every key in `etcd`, sorted (as root).
+async fn all_keys(etcd: &kvfabric_testkit::EtcdServer) -> Vec<String> {
+    let mut root = etcd.client().await.expect("root client");
+    let all = root
+        .get(
+            "/",
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only(),
+            ),
+        )
+        .await
+        .expect("get");
+    let mut keys: Vec<String> = all
+        .kvs()
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .collect();
+    keys.sort();
+    keys
+}
+
+#[tokio::test]
+async fn delete_cleans_only_its_prefix_in_a_real_etcd_with_tls_and_auth() {
+    use kvfabric_testkit::EtcdServer;
+    let Some(mut etcd) = EtcdServer::or_skip(EtcdServer::start_tls().await) else {
+        return;
+    };
+    let ours = [
+        "/kvfabric/llm/tf/agents/node-1",
+        "/kvfabric/llm/tf/segments/w0",
+    ];
+    // Its namesake in another namespace, a fabric whose name starts with its name, a key that
+    // is the root without its slash, and a key outside the registry.
+    let mut theirs = vec![
+        "/elsewhere/llm/tf/x",
+        "/kvfabric/llm/tf",
+        "/kvfabric/llm/tf2/agents/node-1",
+        "/kvfabric/other/tf/segments/w0",
+    ];
+    let mut root = etcd.client().await.expect("client");
+    for key in ours.iter().chain(&theirs) {
+        root.put(*key, "{}", None).await.expect("put");
+    }
+    // The fabric's account may touch the whole registry, so only the operator's prefix keeps
+    // the neighbours safe.
+    etcd.enable_auth("kvf", "s3cr3t", "/kvfabric/")
+        .await
+        .expect("auth on");
+    let dir = etcd.client_tls_dir();
+    let pem = |name: &str| std::fs::read(dir.join(name)).expect("certificate");
+    let secrets = |password: &str| {
+        vec![
+            secret(
+                "etcd-tls",
+                &[
+                    ("ca.crt", pem("ca.crt")),
+                    ("tls.crt", pem("tls.crt")),
+                    ("tls.key", pem("tls.key")),
+                ],
+            ),
+            secret(
+                "etcd-auth",
+                &[
+                    ("username", b"kvf".to_vec()),
+                    ("password", password.as_bytes().to_vec()),
+                ],
+            ),
+        ]
+    };
+    let mut all: Vec<&str> = ours.iter().chain(&theirs).copied().collect();
+    all.sort();
+    theirs.sort();
+    // A wrong password is refused by etcd: nothing goes, the fabric says why, deletion goes on.
+    // The right one deletes the fabric's keys and nothing else.
+    for (password, left) in [("wrong", all), ("s3cr3t", theirs)] {
+        let mut f = finalized(full());
+        f.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        f.spec.etcd.endpoints = vec![etcd.endpoint()];
+        let (client, fake) = Fake::start(State {
+            fabric: Some(f.clone()),
+            secrets: secrets(password),
+            ..State::default()
+        });
+        let cleaner = Arc::new(crate::finalizer::EtcdCleaner {
+            timeout: Duration::from_secs(5),
+        });
+        let mut ctx = context_cleaning(client, cleaner);
+        Arc::get_mut(&mut ctx).expect("unshared").cleanup.timeout = Duration::from_secs(5);
+        let action = reconcile(Arc::new(f), ctx).await.expect("ok");
+        assert_eq!(action, Action::await_change());
+        assert_eq!(all_keys(&etcd).await, left, "password {password:?}");
+        let events = fake.events();
+        if password == "wrong" {
+            let degraded = condition(&fake.status_patches()[0].body["status"], "Degraded").clone();
+            assert_eq!(degraded["reason"], "RegistryCleanupFailed");
+            let msg = degraded["message"].as_str().unwrap_or_default();
+            assert!(
+                msg.contains("/kvfabric/llm/tf/") && msg.contains(&etcd.endpoint()),
+                "{msg}"
+            );
+        } else {
+            assert!(
+                events.iter().any(|e| e.body["reason"] == "RegistryCleaned"
+                    && e.body["note"].as_str().is_some_and(
+                        |n| n.contains("deleted 2 registry keys under /kvfabric/llm/tf/")
+                    )),
+                "{events:#?}"
+            );
+        }
+        assert!(
+            fake.seen()
+                .iter()
+                .any(|s| s.content_type == "application/json-patch+json"),
+            "finalizer removed"
+        );
+    }
 }
 
 async fn failing_apply(fault: Fault) -> (Error, Arc<Context>, Fake) {

@@ -280,89 +280,14 @@ mod tests {
         assert!(e.to_string().contains("http://e:2379"), "{e}");
     }
 
-    /// A private etcd (Debian's `etcd-server`) on free loopback ports, killed on drop.
-    struct Etcd {
-        child: std::process::Child,
-        url: String,
-        _dir: std::path::PathBuf,
-    }
-
-    impl Drop for Etcd {
-        fn drop(&mut self) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-            let _ = std::fs::remove_dir_all(&self._dir);
-        }
-    }
-
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port")
-    }
-
-    fn etcd() -> Etcd {
-        let dir = std::env::temp_dir().join(format!(
-            "kvfabric-operator-etcd-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
-        let (client, peer) = (free_port(), free_port());
-        let url = format!("http://127.0.0.1:{client}");
-        let child = std::process::Command::new("etcd")
-            .arg("--data-dir")
-            .arg(&dir)
-            .args([
-                "--listen-client-urls",
-                &url,
-                "--advertise-client-urls",
-                &url,
-            ])
-            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
-            .args([
-                "--initial-advertise-peer-urls",
-                &format!("http://127.0.0.1:{peer}"),
-            ])
-            .args([
-                "--initial-cluster",
-                &format!("default=http://127.0.0.1:{peer}"),
-            ])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("etcd runs (apt-get install etcd-server; scripts/test.sh does)");
-        Etcd {
-            child,
-            url,
-            _dir: dir,
-        }
-    }
-
-    async fn connect(url: &str) -> etcd_client::Client {
-        let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        loop {
-            let options = etcd_client::ConnectOptions::new()
-                .with_connect_timeout(Duration::from_millis(200))
-                .with_timeout(Duration::from_millis(500));
-            if let Ok(mut c) = etcd_client::Client::connect([url], Some(options)).await
-                && c.status().await.is_ok()
-            {
-                return c;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "etcd at {url} did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
     #[tokio::test]
     async fn deleting_a_fabric_spares_its_namesake_in_another_namespace() {
         use crate::contract::registry_root;
-        let etcd = etcd();
-        let mut client = connect(&etcd.url).await;
+        use kvfabric_testkit::EtcdServer;
+        let Some(etcd) = EtcdServer::or_skip(EtcdServer::start().await) else {
+            return;
+        };
+        let mut client = etcd.client().await.expect("client");
         // Keys as the agents write them: `<prefix>/<namespace>/<fabric>/…`.
         for ns in ["team-a", "team-b"] {
             for fabric in ["llama", "llama2"] {
@@ -383,7 +308,7 @@ mod tests {
         let n = clean_registry(
             &cleaner,
             &policy(),
-            &access(&etcd.url),
+            &access(&etcd.endpoint()),
             &(registry_root("/kvfabric", "team-a", "llama") + "/"),
         )
         .await

@@ -3,7 +3,6 @@
 //! (and why agents are not ready) in the status.
 #![forbid(unsafe_code)]
 
-pub mod backoff;
 pub mod config;
 pub mod configmap;
 pub mod contract;

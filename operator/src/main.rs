@@ -94,33 +94,12 @@ async fn main() -> ExitCode {
     }
 }
 
-fn shutdown_signal() -> watch::Receiver<bool> {
-    let (tx, rx) = watch::channel(false);
-    tokio::spawn(async move {
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(_) => std::future::pending::<()>().await,
-            }
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term => {}
-        }
-        tracing::info!("shutdown signal received");
-        let _ = tx.send(true);
-    });
-    rx
-}
-
 async fn on(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
 async fn run(settings: Settings) -> Result<()> {
-    let stop = shutdown_signal();
+    let stop = kvfabric_rt::shutdown::watch();
     let metrics = Arc::new(Metrics::default());
     let health = Health::new(metrics.clone());
     let server = tokio::spawn(serve(

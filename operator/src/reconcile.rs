@@ -22,7 +22,6 @@ use kvfabric_crds::{TransferFabric, TransferFabricStatus};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::backoff::Backoff;
 use crate::config::AgentSettings;
 use crate::configmap::{config_hash, desired_configmap};
 use crate::contract::{host_socket_dir, registry_root};
@@ -39,6 +38,7 @@ use crate::service_account::desired_service_account;
 use crate::spec_checks;
 use crate::status::{self, ConditionValue, DEGRADED};
 use crate::{Error, Result};
+use kvfabric_rt::KeyedBackoff;
 
 /// Requeue of a fabric whose agents are all ready: a safety net, changes arrive by watch.
 const REQUEUE_READY: Duration = Duration::from_secs(300);
@@ -59,7 +59,7 @@ pub struct Context {
     /// How hard registry cleanup tries.
     pub cleanup: CleanupPolicy,
     /// Requeue delays after failures.
-    pub backoff: Arc<Backoff>,
+    pub backoff: Arc<KeyedBackoff>,
     /// Limit of one whole reconcile, so a hung API call cannot stall an object forever.
     pub reconcile_timeout: Duration,
     /// How agent pods are built (image, socket root, the API server's version).
@@ -97,7 +97,11 @@ impl Context {
                 timeout: cleanup.timeout,
             }),
             cleanup,
-            backoff: Arc::new(Backoff::default()),
+            // A failing fabric is retried after 5 s, doubling to 5 minutes.
+            backoff: Arc::new(KeyedBackoff::new(
+                Duration::from_secs(5),
+                Duration::from_secs(300),
+            )),
             reconcile_timeout: Duration::from_secs(60),
             agents,
         }

@@ -7,7 +7,7 @@
 //!
 //! The rendered output comes from `scripts/helm-check.sh` (which sets `KVFABRIC_RENDERED_DIR` and
 //! runs this test after validating the same files against the Kubernetes 1.29 and 1.35
-//! schemas); without it the chart checks are skipped with a message. The files hold the chart
+//! schemas); without it the chart checks record a skip (`kvfabric_testkit::skip`; a failure in CI). The files hold the chart
 //! (`default.yaml`, `all-features.yaml`) and the operator's own objects for the example and the
 //! all-features fabrics (`objects-*.yaml`, from `kvfabric-operator render`).
 
@@ -20,6 +20,7 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kvfabric_crds::TransferFabric;
+use kvfabric_testkit::skip::{Why, skip};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -471,8 +472,13 @@ fn rendered_manifests_are_strictly_valid() {
         None => workspace().join("target/helm-rendered"),
     };
     if !dir.is_dir() {
-        println!("skipped: run scripts/helm-check.sh first");
-        return;
+        return skip(
+            Why::Missing("rendered chart"),
+            format!(
+                "{} is absent: run scripts/helm-check.sh first",
+                dir.display()
+            ),
+        );
     }
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .expect("read dir")

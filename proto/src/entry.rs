@@ -23,6 +23,10 @@ pub struct AgentEntry {
     pub devices: Devices,
     /// Unix seconds when this agent started (tells a restart from a re-registration).
     pub started_at: u64,
+    /// Random per start of the agent: peers that find another value here know it restarted
+    /// (new regions, new data secret), even within one second and on the same address.
+    #[serde(default)]
+    pub instance: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -8,6 +8,13 @@ pub enum Error {
     #[error("etcd not found: apt-get install etcd-server (looked for {looked})")]
     EtcdNotFound { looked: String },
 
+    /// The `openssl` command, which makes the certificates of a TLS etcd, was not found.
+    #[error("openssl not found: apt-get install openssl ({source})")]
+    OpensslNotFound {
+        #[source]
+        source: io::Error,
+    },
+
     /// etcd was found but did not come up: a failure, never a skip.
     #[error("etcd at {endpoint} did not start: {reason} (log: {log})")]
     EtcdStart {
@@ -19,6 +26,7 @@ pub enum Error {
     #[error("etcd at {endpoint}: {reason}")]
     Etcd { endpoint: String, reason: String },
 
+    #[cfg(feature = "agent")]
     #[error(transparent)]
     Agent(#[from] kvfabric_agent::Error),
 

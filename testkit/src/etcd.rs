@@ -4,19 +4,17 @@
 //! `KVFABRIC_ETCD_BIN` names) on free ports with a temporary data directory, and can stop,
 //! restart (same member, ports and data) and kill it, to test what clients do meanwhile.
 //!
+//! In a test, [`EtcdServer::or_skip`] turns a missing binary into a counted skip and any other
+//! failure into a panic:
+//!
 //! ```no_run
-//! # async fn demo() -> kvfabric_testkit::Result<()> {
+//! # async fn demo() {
 //! use kvfabric_testkit::EtcdServer;
-//! let etcd = match EtcdServer::start().await {
-//!     Ok(etcd) => etcd,
-//!     Err(e @ kvfabric_testkit::Error::EtcdNotFound { .. }) => {
-//!         eprintln!("skipped: no etcd binary ({e})");
-//!         return Ok(());
-//!     }
-//!     Err(e) => return Err(e),
+//! let Some(etcd) = EtcdServer::or_skip(EtcdServer::start().await) else {
+//!     return;
 //! };
 //! println!("etcd at {}", etcd.endpoint());
-//! # Ok(()) }
+//! # }
 //! ```
 
 use std::fs::{File, OpenOptions};
@@ -27,6 +25,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::skip::{Why, skip};
 
 /// Environment variable naming the etcd binary to run.
 pub const ETCD_BIN_ENV: &str = "KVFABRIC_ETCD_BIN";
@@ -41,6 +40,8 @@ pub struct EtcdServer {
     bin: PathBuf,
     /// Serves https and requires client certificates (see [`EtcdServer::start_tls`]).
     tls: bool,
+    /// `root`'s password once authentication is on (see [`EtcdServer::enable_auth`]).
+    root_password: Option<String>,
     host: IpAddr,
     client_port: u16,
     peer_port: u16,
@@ -71,6 +72,24 @@ impl EtcdServer {
             })
     }
 
+    /// For a test: the started server, or None after a [`skip`] where a binary it needs (etcd,
+    /// openssl) is missing. Any other failure panics: an etcd that is installed must start.
+    #[track_caller]
+    pub fn or_skip(started: Result<Self>) -> Option<Self> {
+        match started {
+            Ok(server) => Some(server),
+            Err(e @ Error::EtcdNotFound { .. }) => {
+                skip(Why::Missing("no etcd binary"), e);
+                None
+            }
+            Err(e @ Error::OpensslNotFound { .. }) => {
+                skip(Why::Missing("no openssl command"), e);
+                None
+            }
+            Err(e) => panic!("etcd did not start: {e}"),
+        }
+    }
+
     /// Starts etcd on 127.0.0.1 and waits until it answers.
     pub async fn start() -> Result<Self> {
         Self::start_on(IpAddr::V4(Ipv4Addr::LOCALHOST)).await
@@ -87,6 +106,7 @@ impl EtcdServer {
         let mut server = EtcdServer {
             bin,
             tls: false,
+            root_password: None,
             host: ip,
             client_port,
             peer_port,
@@ -116,6 +136,7 @@ impl EtcdServer {
         let mut server = EtcdServer {
             bin,
             tls: true,
+            root_password: None,
             host: ip,
             client_port,
             peer_port,
@@ -216,20 +237,42 @@ impl EtcdServer {
 
     /// SIGTERM, then waits for the exit (SIGKILL after 10 s). Data stays for `start_again`.
     pub async fn stop(&mut self) -> Result<()> {
-        let Some(child) = self.child.as_mut() else {
-            return Ok(());
-        };
-        if matches!(child.try_wait(), Ok(None)) {
-            let pid = rustix::process::Pid::from_raw(child.id() as i32);
-            if let Some(pid) = pid {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-            }
+        if self.is_running() {
+            let _ = self.signal(rustix::process::Signal::TERM);
             let deadline = Instant::now() + STOP_TIMEOUT;
-            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            while self.is_running() && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
         self.kill().await
+    }
+
+    /// Freezes the process (SIGSTOP): it keeps its connections and answers nothing, as an
+    /// overloaded or partitioned etcd would, until [`EtcdServer::resume`].
+    pub fn pause(&mut self) -> Result<()> {
+        self.signal(rustix::process::Signal::STOP)
+    }
+
+    /// Lets a paused etcd go on (SIGCONT); the requests sent meanwhile are answered.
+    pub fn resume(&mut self) -> Result<()> {
+        self.signal(rustix::process::Signal::CONT)
+    }
+
+    fn signal(&mut self, signal: rustix::process::Signal) -> Result<()> {
+        let pid = self
+            .child
+            .as_ref()
+            .and_then(|c| rustix::process::Pid::from_raw(c.id() as i32))
+            .ok_or_else(|| Error::Etcd {
+                endpoint: self.endpoint(),
+                reason: format!("not running: cannot send {signal:?}"),
+            })?;
+        rustix::process::kill_process(pid, signal).map_err(|e| {
+            Error::io(
+                format!("send {signal:?} to etcd ({pid:?})"),
+                std::io::Error::from(e),
+            )
+        })
     }
 
     /// SIGKILL and wait. Data stays for `start_again`.
@@ -244,27 +287,90 @@ impl EtcdServer {
         Ok(())
     }
 
-    /// A client of this etcd (with the client certificate under TLS; no credentials).
+    /// A client of this etcd: with the client certificate under TLS, as `root` once
+    /// authentication is on.
     pub async fn client(&self) -> Result<etcd_client::Client> {
-        etcd_client::Client::connect([self.endpoint()], self.connect_options()?)
-            .await
-            .map_err(|e| Error::Etcd {
-                endpoint: self.endpoint(),
-                reason: e.to_string(),
-            })
+        let root = self.root_password.as_deref().map(|p| ("root", p));
+        self.client_as(root).await
     }
 
+    /// A client of this etcd as `user` (`(name, password)`; None: no credentials), with the
+    /// client certificate under TLS.
+    pub async fn client_as(&self, user: Option<(&str, &str)>) -> Result<etcd_client::Client> {
+        let mut options = self.connect_options()?;
+        if let Some((name, password)) = user {
+            options = Some(options.unwrap_or_default().with_user(name, password));
+        }
+        etcd_client::Client::connect([self.endpoint()], options)
+            .await
+            .map_err(|e| self.etcd_error(e))
+    }
+
+    /// Turns authentication on: a `root` user (random password, used by [`EtcdServer::client`]
+    /// from now on) and `user` with `password`, allowed to read and write the keys under
+    /// `prefix` only, as a fabric's etcd account would be.
+    pub async fn enable_auth(&mut self, user: &str, password: &str, prefix: &str) -> Result<()> {
+        let mut c = self.client().await?;
+        let root_password = format!(
+            "root-{:x}",
+            std::process::id() ^ u32::from(self.client_port)
+        );
+        let role = format!("{user}-prefix");
+        let fail = |e| self.etcd_error(e);
+        c.user_add("root", root_password.as_str(), None)
+            .await
+            .map_err(fail)?;
+        c.user_grant_role("root", "root").await.map_err(fail)?;
+        c.role_add(role.as_str()).await.map_err(fail)?;
+        c.role_grant_permission(
+            role.as_str(),
+            etcd_client::Permission::read_write(prefix).with_prefix(),
+        )
+        .await
+        .map_err(fail)?;
+        c.user_add(user, password, None).await.map_err(fail)?;
+        c.user_grant_role(user, role.as_str()).await.map_err(fail)?;
+        c.auth_enable().await.map_err(fail)?;
+        self.root_password = Some(root_password);
+        Ok(())
+    }
+
+    fn etcd_error(&self, e: etcd_client::Error) -> Error {
+        Error::Etcd {
+            endpoint: self.endpoint(),
+            reason: e.to_string(),
+        }
+    }
+
+    /// Under TLS: the throwaway CA and the client certificate, as an agent reads them.
     fn connect_options(&self) -> Result<Option<etcd_client::ConnectOptions>> {
         if !self.tls {
             return Ok(None);
         }
-        let tls = kvfabric_agent::registry::EtcdTls::from_dir(self.client_tls_dir())?.options()?;
+        let dir = self.client_tls_dir();
+        let read = |name: &str| {
+            let path = dir.join(name);
+            std::fs::read(&path).map_err(|e| Error::io(format!("read {}", path.display()), e))
+        };
+        let tls = etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(read("ca.crt")?))
+            .identity(etcd_client::Identity::from_pem(
+                read("tls.crt")?,
+                read("tls.key")?,
+            ));
         Ok(Some(etcd_client::ConnectOptions::new().with_tls(tls)))
     }
 
     async fn wait_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
-        let options = self.connect_options()?;
+        let mut options = self.connect_options()?;
+        if let Some(password) = &self.root_password {
+            options = Some(
+                options
+                    .unwrap_or_default()
+                    .with_user("root", password.as_str()),
+            );
+        }
         let mut last = String::from("no answer yet");
         loop {
             if let Some(child) = self.child.as_mut()
@@ -347,7 +453,10 @@ fn make_certificates(dir: &Path, ip: IpAddr) -> Result<()> {
             .current_dir(dir)
             .stdin(Stdio::null())
             .output()
-            .map_err(|e| Error::io("run openssl (apt-get install openssl)", e))?;
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => Error::OpensslNotFound { source: e },
+                _ => Error::io("run openssl", e),
+            })?;
         if !out.status.success() {
             return Err(Error::io(
                 format!("openssl {}", args.join(" ")),

@@ -1,12 +1,16 @@
 //! Real components for kvfabric's tests and benchmarks, never linked by a production crate: a
-//! throwaway etcd ([`EtcdServer`]), an OTLP trace receiver ([`otlp::Receiver`]), and agents served
-//! by a task of the calling process ([`InProcessAgent`]).
+//! throwaway etcd ([`EtcdServer`]), an OTLP trace receiver ([`otlp::Receiver`]), agents served
+//! by a task of the calling process ([`InProcessAgent`], feature `agent`), and skips that are
+//! counted, and refused in CI ([`skip::skip`]).
 
+#[cfg(feature = "agent")]
 mod agent;
 mod error;
 pub mod etcd;
 pub mod otlp;
+pub mod skip;
 
+#[cfg(feature = "agent")]
 pub use agent::InProcessAgent;
 pub use error::{Error, Result};
 pub use etcd::EtcdServer;

@@ -38,6 +38,7 @@ use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity,
     KeyValue, PutOptions, TlsOptions, Txn, TxnOp, WatchOptions,
 };
+use kvfabric_rt::Backoff;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{Notify, broadcast, watch};
 use tokio::task::AbortHandle;
@@ -771,7 +772,7 @@ impl Inner {
                 "registry lease lost; re-registering"
             );
             let old = lease;
-            let mut backoff = Backoff::new(self.backoff_cap());
+            let mut backoff = Backoff::new(Duration::from_millis(50), self.backoff_cap());
             loop {
                 match self.reregister().await {
                     Ok((new, new_ttl)) => {
@@ -780,7 +781,7 @@ impl Inner {
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "re-registration failed; retrying");
-                        tokio::time::sleep(backoff.next()).await;
+                        tokio::time::sleep(backoff.next_delay()).await;
                     }
                 }
             }
@@ -875,7 +876,7 @@ impl Inner {
         let ttl = Duration::from_secs(ttl.max(1) as u64);
         let period = (ttl / 3).max(Duration::from_millis(100));
         let mut last_ok = Instant::now();
-        let mut backoff = Backoff::new(self.backoff_cap());
+        let mut backoff = Backoff::new(Duration::from_millis(50), self.backoff_cap());
         loop {
             if last_ok.elapsed() >= ttl {
                 return KeepAlive::Lost("no keepalive answered for a whole TTL");
@@ -891,7 +892,9 @@ impl Inner {
                     return KeepAlive::Lost("etcd answered: lease not found");
                 }
                 Err(_) => {
-                    let wait = backoff.next().min(ttl.saturating_sub(last_ok.elapsed()));
+                    let wait = backoff
+                        .next_delay()
+                        .min(ttl.saturating_sub(last_ok.elapsed()));
                     tokio::time::sleep(wait).await;
                     continue;
                 }
@@ -987,7 +990,7 @@ impl Inner {
     }
 
     async fn watcher(self: Arc<Self>, mut rev: i64) {
-        let mut backoff = Backoff::new(self.backoff_cap());
+        let mut backoff = Backoff::new(Duration::from_millis(50), self.backoff_cap());
         let mut resync = false;
         loop {
             if resync {
@@ -1000,7 +1003,7 @@ impl Inner {
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "registry resync failed; retrying");
-                        tokio::time::sleep(backoff.next()).await;
+                        tokio::time::sleep(backoff.next_delay()).await;
                         continue;
                     }
                 }
@@ -1020,7 +1023,7 @@ impl Inner {
             {
                 Ok(stream) => stream,
                 Err(_) => {
-                    tokio::time::sleep(backoff.next()).await;
+                    tokio::time::sleep(backoff.next_delay()).await;
                     continue;
                 }
             };
@@ -1061,7 +1064,7 @@ impl Inner {
                     }
                 }
             }
-            tokio::time::sleep(backoff.next()).await;
+            tokio::time::sleep(backoff.next_delay()).await;
         }
     }
 
@@ -1213,33 +1216,6 @@ fn timed_out(op: &str, endpoints: &str, after: Duration) -> Error {
         op: op.into(),
         endpoints: endpoints.into(),
         reason: format!("no answer within {after:?}"),
-    }
-}
-
-/// Exponential backoff from 50 ms to a cap.
-struct Backoff {
-    next: Duration,
-    cap: Duration,
-}
-
-impl Backoff {
-    const START: Duration = Duration::from_millis(50);
-
-    fn new(cap: Duration) -> Self {
-        Backoff {
-            next: Self::START,
-            cap: cap.max(Self::START),
-        }
-    }
-
-    fn next(&mut self) -> Duration {
-        let now = self.next;
-        self.next = (self.next * 2).min(self.cap);
-        now
-    }
-
-    fn reset(&mut self) {
-        self.next = Self::START;
     }
 }
 

@@ -10,15 +10,10 @@ use kvfabric_testkit::EtcdServer;
 pub const TTL_SECS: u64 = 3;
 pub const BLOCK: u64 = 32 << 10;
 
-/// A real etcd on `ip`, or None (with the reason printed) where the binary is missing.
+/// A real etcd on `ip`, or None (a recorded skip; a failure in CI) where the binary is
+/// missing. An installed etcd that does not start fails the test.
 pub async fn etcd_on(ip: IpAddr) -> Option<EtcdServer> {
-    match EtcdServer::start_on(ip).await {
-        Ok(e) => Some(e),
-        Err(e) => {
-            println!("skipped: no etcd ({e})");
-            None
-        }
-    }
+    EtcdServer::or_skip(EtcdServer::start_on(ip).await)
 }
 
 /// Polls `check` until it holds or `limit` passes; returns how long it took.
@@ -57,4 +52,68 @@ pub async fn prefill_and_decode(
     let prefill = Client::connect(a.socket_dir()).await.unwrap();
     let decode = Client::connect(b.socket_dir()).await.unwrap();
     (a, b, prefill, decode)
+}
+
+/// Bytes `agent` has served to its peers so far (`kvfabric_agent_served_bytes_total`, every
+/// opcode), from its `/metrics`.
+pub async fn served_bytes(agent: &AgentProcess) -> u64 {
+    let samples = kvfabric_agent::metrics::scrape(agent.ready.metrics)
+        .await
+        .unwrap_or_else(|e| panic!("scrape {}: {e}", agent.name));
+    samples
+        .iter()
+        .filter(|(name, _)| name.starts_with("kvfabric_agent_served_bytes_total"))
+        .map(|(_, v)| *v as u64)
+        .sum()
+}
+
+/// Waits until `agent` has served more than `before` bytes (a batch against it is on the wire),
+/// polling every few milliseconds; returns the count seen.
+pub async fn serving(agent: &AgentProcess, before: u64, limit: Duration) -> u64 {
+    let start = Instant::now();
+    loop {
+        let now = served_bytes(agent).await;
+        if now > before {
+            return now;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{} served nothing within {limit:?}",
+            agent.name
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Every key under the e2e fabric's registry root (empty while etcd does not answer).
+pub async fn fabric_keys(etcd: &EtcdServer) -> Vec<String> {
+    let Ok(mut kv) = etcd.client().await else {
+        return Vec::new();
+    };
+    let keys = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_keys_only();
+    match kv.get("/kvfabric/default/e2e/", Some(keys)).await {
+        Ok(r) => r
+            .kvs()
+            .iter()
+            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The fabric's keys of the agents and segments called `names`.
+pub async fn keys_of(etcd: &EtcdServer, names: &[&str]) -> Vec<String> {
+    fabric_keys(etcd)
+        .await
+        .into_iter()
+        .filter(|k| names.iter().any(|n| k.ends_with(&format!("/{n}"))))
+        .collect()
+}
+
+/// Whether `net` has namespaces (links can be cut, rates limited). Without them
+/// [`Network::new`] has recorded the skip (a failure in CI), and the test should return.
+pub fn has_namespaces(net: &Network) -> bool {
+    net.fallback.is_none()
 }

@@ -19,7 +19,7 @@ use tracing::warn;
 
 use super::io::Socket;
 use crate::handshake::refuse_busy;
-use crate::throttle::Throttle;
+use kvfabric_rt::{AcceptBackoff, Throttle};
 
 /// A listener whose connections are handed over as blocking sockets.
 pub(crate) trait Listener {
@@ -134,14 +134,6 @@ impl<S: Socket> Drop for Admission<S> {
     }
 }
 
-/// Accept errors that mean "out of a resource" (fds, buffers, memory): the listener stays
-/// readable, so retrying at once would spin.
-fn exhausted(e: &io::Error) -> bool {
-    use rustix::io::Errno;
-    Errno::from_io_error(e)
-        .is_some_and(|n| [Errno::MFILE, Errno::NFILE, Errno::NOBUFS, Errno::NOMEM].contains(&n))
-}
-
 /// Serves connections until `shutdown` resolves, then shuts every open one down so their
 /// threads end.
 pub(crate) async fn serve<L, F>(
@@ -154,14 +146,12 @@ pub(crate) async fn serve<L, F>(
     L: Listener,
     F: Fn(L::Stream, String, Admission<L::Stream>) + Send + Sync + 'static,
 {
-    const BACKOFF_MIN: Duration = Duration::from_millis(10);
-    const BACKOFF_MAX: Duration = Duration::from_secs(1);
     let serve = Arc::new(serve);
     let table: Arc<Mutex<Table<L::Stream>>> = Arc::new(Mutex::new(Table {
         live: HashMap::new(),
     }));
     let log = Throttle::new(Duration::from_secs(10));
-    let mut backoff = BACKOFF_MIN;
+    let mut backoff = AcceptBackoff::new("engine data port");
     let mut next = 0u64;
     tokio::pin!(shutdown);
     loop {
@@ -169,22 +159,16 @@ pub(crate) async fn serve<L, F>(
             _ = &mut shutdown => break,
             accepted = listener.next() => match accepted {
                 Ok(a) => {
-                    backoff = BACKOFF_MIN;
+                    backoff.succeeded();
                     a
                 }
                 Err(e) => {
-                    let wait = exhausted(&e);
-                    if let Some(held_back) = log.allow() {
-                        warn!(error = %e, listener = name, held_back, backing_off = wait, "accept failed");
-                    }
-                    if wait {
-                        // Out of fds: the pending connection stays queued and the listener
-                        // readable. Wait for others to close theirs.
-                        tokio::select! {
-                            _ = &mut shutdown => break,
-                            _ = tokio::time::sleep(backoff) => {}
-                        }
-                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                    // Out of fds the pending connection stays queued and the listener
+                    // readable: wait for others to close theirs.
+                    let wait = backoff.failed(&e);
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = tokio::time::sleep(wait) => {}
                     }
                     continue;
                 }

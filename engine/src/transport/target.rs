@@ -10,7 +10,7 @@ use crate::engine_config::EngineConfig;
 use crate::handshake::Gate;
 use crate::region_table::RegionTable;
 use crate::segment::SegmentDescriptor;
-use crate::throttle::Throttle;
+use kvfabric_rt::Throttle;
 
 /// A chunk this engine served as the target.
 #[derive(Debug, Clone)]

@@ -9,6 +9,11 @@ pub struct RegisterSegmentRequest {
     /// The key readers must present; 0 lets the agent choose a random one.
     #[prost(fixed64, tag = "3")]
     pub key: u64,
+    /// False (the default): the segment lives while the connection that registered it is open
+    /// (or until DeregisterSegment), so a worker that dies leaves no memory behind. True: it lives
+    /// until DeregisterSegment or the agent stops.
+    #[prost(bool, tag = "4")]
+    pub detached: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -271,12 +276,34 @@ pub struct HandshakeRequest {
 pub struct HandshakeResponse {
     #[prost(string, tag = "1")]
     pub agent: ::prost::alloc::string::String,
-    /// The serving agent's engine segment descriptor (JSON, kvfabric-engine SegmentDescriptor).
+    /// The serving agent's engine segment descriptor (JSON, kvfabric-engine SegmentDescriptor):
+    /// its data endpoints; no regions (SegmentAccess gives those, per segment and key).
     #[prost(string, tag = "2")]
     pub descriptor: ::prost::alloc::string::String,
     /// The serving engine's data secret (32 bytes): data connections to it prove they hold it.
     #[prost(bytes = "vec", tag = "3")]
     pub data_secret: ::prost::alloc::vec::Vec<u8>,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SegmentAccessRequest {
+    #[prost(string, tag = "1")]
+    pub fabric: ::prost::alloc::string::String,
+    /// The calling agent's name.
+    #[prost(string, tag = "2")]
+    pub agent: ::prost::alloc::string::String,
+    #[prost(string, tag = "3")]
+    pub segment: ::prost::alloc::string::String,
+    /// The key the segment's owner handed out.
+    #[prost(fixed64, tag = "4")]
+    pub key: u64,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SegmentAccessResponse {
+    /// The segment's regions (JSON, a list of kvfabric-engine RegionDesc).
+    #[prost(string, tag = "1")]
+    pub regions_json: ::prost::alloc::string::String,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -1077,6 +1104,34 @@ pub mod peer_agent_client {
                 .insert(GrpcMethod::new("kvfabric.v1.PeerAgent", "RdmaConnect"));
             self.inner.unary(req, path, codec).await
         }
+        /// The regions of one segment this agent serves, with what reaching them takes (access keys,
+        /// CUDA IPC handles, RDMA keys), for a caller that presents the segment's key. Handshake
+        /// answers none of that: an agent learns a segment's regions only for a worker that was given
+        /// its key. PERMISSION_DENIED for a wrong key, NOT_FOUND for a segment not served here.
+        pub async fn segment_access(
+            &mut self,
+            request: impl tonic::IntoRequest<super::SegmentAccessRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SegmentAccessResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvfabric.v1.PeerAgent/SegmentAccess",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvfabric.v1.PeerAgent", "SegmentAccess"));
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -1109,6 +1164,17 @@ pub mod peer_agent_server {
             request: tonic::Request<super::RdmaConnectRequest>,
         ) -> std::result::Result<
             tonic::Response<super::RdmaConnectResponse>,
+            tonic::Status,
+        >;
+        /// The regions of one segment this agent serves, with what reaching them takes (access keys,
+        /// CUDA IPC handles, RDMA keys), for a caller that presents the segment's key. Handshake
+        /// answers none of that: an agent learns a segment's regions only for a worker that was given
+        /// its key. PERMISSION_DENIED for a wrong key, NOT_FOUND for a segment not served here.
+        async fn segment_access(
+            &self,
+            request: tonic::Request<super::SegmentAccessRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SegmentAccessResponse>,
             tonic::Status,
         >;
     }
@@ -1263,6 +1329,51 @@ pub mod peer_agent_server {
                     let inner = self.inner.clone();
                     let fut = async move {
                         let method = RdmaConnectSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvfabric.v1.PeerAgent/SegmentAccess" => {
+                    #[allow(non_camel_case_types)]
+                    struct SegmentAccessSvc<T: PeerAgent>(pub Arc<T>);
+                    impl<
+                        T: PeerAgent,
+                    > tonic::server::UnaryService<super::SegmentAccessRequest>
+                    for SegmentAccessSvc<T> {
+                        type Response = super::SegmentAccessResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::SegmentAccessRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as PeerAgent>::segment_access(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = SegmentAccessSvc(inner);
                         let codec = tonic_prost::ProstCodec::default();
                         let mut grpc = tonic::server::Grpc::new(codec)
                             .apply_compression_config(

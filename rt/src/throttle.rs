@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 #[derive(Debug)]
-pub(crate) struct Throttle {
+pub struct Throttle {
     start: Instant,
     every_ms: u64,
     /// When (ms after `start`) the next line may be written.
@@ -14,7 +14,7 @@ pub(crate) struct Throttle {
 }
 
 impl Throttle {
-    pub(crate) fn new(every: Duration) -> Throttle {
+    pub fn new(every: Duration) -> Throttle {
         Throttle {
             start: Instant::now(),
             every_ms: u64::try_from(every.as_millis()).unwrap_or(u64::MAX),
@@ -24,7 +24,7 @@ impl Throttle {
     }
 
     /// `Some(lines held back since the last one)` when a line may be written now.
-    pub(crate) fn allow(&self) -> Option<u64> {
+    pub fn allow(&self) -> Option<u64> {
         let now = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
         let next = self.next_ms.load(Ordering::Relaxed);
         if now >= next

@@ -1,7 +1,9 @@
-//! Resolves on SIGTERM or SIGINT, so servers can drain and exit cleanly.
+//! SIGTERM and SIGINT, so servers drain and exit cleanly.
 
 use tokio::signal::unix::{SignalKind, signal as unix_signal};
+use tokio::sync::watch;
 
+/// Resolves on the first SIGTERM or SIGINT.
 pub async fn signal() {
     match (
         unix_signal(SignalKind::terminate()),
@@ -12,6 +14,7 @@ pub async fn signal() {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
+            tracing::info!("shutdown signal received");
         }
         (Err(e), _) | (_, Err(e)) => {
             // Without handlers the process still dies on the signal, just without draining.
@@ -19,4 +22,14 @@ pub async fn signal() {
             std::future::pending::<()>().await
         }
     }
+}
+
+/// The same as a channel many tasks can wait on: it turns `true` at the signal.
+pub fn watch() -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        signal().await;
+        let _ = tx.send(true);
+    });
+    rx
 }

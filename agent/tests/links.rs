@@ -1,0 +1,297 @@
+//! How an agent reaches its peers: what the peer API reveals (endpoints to any fabric member,
+//! a segment's regions only for its key), a hung peer that stalls nothing else, a restarted
+//! peer that is reached again, and a worker whose death releases its memory.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use kvfabric_agent::AgentConfig;
+use kvfabric_agent::discovery::Devices;
+use kvfabric_agent::registry::memory::MemoryStore;
+use kvfabric_agent::registry::{AgentEntry, Registry, SegmentEntry, SegmentRegion};
+use kvfabric_agent::telemetry::Telemetry;
+use kvfabric_client::{Client, HostMemory, Op, pb};
+use kvfabric_engine::{Location, RegionId, SegmentDescriptor, TransportKind};
+use kvfabric_testkit::InProcessAgent;
+use rand::{RngCore, SeedableRng};
+use tonic::Code;
+
+const BLOCK: u64 = 4096;
+
+async fn agent(
+    name: &str,
+    store: &MemoryStore,
+    adjust: impl FnOnce(&mut AgentConfig),
+) -> InProcessAgent {
+    let mut config = InProcessAgent::config(name);
+    config.transports = vec![TransportKind::Tcp];
+    config.batch_timeout = Duration::from_secs(5);
+    adjust(&mut config);
+    InProcessAgent::start(config, store.registry(), Telemetry::default())
+        .await
+        .unwrap()
+}
+
+fn random(len: u64, seed: u64) -> HostMemory {
+    let m = HostMemory::alloc(len).unwrap();
+    // SAFETY: nothing transfers into it yet.
+    rand::rngs::SmallRng::seed_from_u64(seed).fill_bytes(unsafe { m.as_mut_slice() });
+    m
+}
+
+fn ops(n: u64) -> Vec<Op> {
+    (0..n)
+        .map(|i| Op {
+            local_region: 0,
+            local_offset: i * BLOCK,
+            remote_region: 0,
+            remote_offset: (n - 1 - i) * BLOCK,
+            len: BLOCK,
+        })
+        .collect()
+}
+
+fn pulled(ops: &[Op], src: &HostMemory, dst: &HostMemory) -> bool {
+    // SAFETY: the batch completed; nothing is in flight.
+    let (from, to) = unsafe { (src.as_slice(), dst.as_slice()) };
+    ops.iter().all(|o| {
+        let (l, r, n) = (
+            o.local_offset as usize,
+            o.remote_offset as usize,
+            o.len as usize,
+        );
+        to[l..l + n] == from[r..r + n]
+    })
+}
+
+async fn peer_client(
+    a: &InProcessAgent,
+) -> pb::peer_agent_client::PeerAgentClient<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", a.ready.peer))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    pb::peer_agent_client::PeerAgentClient::new(channel)
+}
+
+#[tokio::test]
+async fn the_handshake_names_no_region_and_a_segment_s_regions_need_its_key() {
+    let store = MemoryStore::new();
+    let a = agent("node-a", &store, |_| {}).await;
+    let worker = Client::connect(a.socket_dir()).await.unwrap();
+    let m = random(16 * BLOCK, 1);
+    let seg = worker
+        .register("prefill-0", &[&m], Some(0x5eed))
+        .await
+        .unwrap();
+    let mut peer = peer_client(&a).await;
+    let hello = peer
+        .handshake(pb::HandshakeRequest {
+            fabric: "test".into(),
+            agent: "node-x".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let d = SegmentDescriptor::from_json(&hello.descriptor).unwrap();
+    assert!(
+        d.regions.is_empty(),
+        "the handshake gave regions: {:?}",
+        d.regions
+    );
+    assert!(d.endpoints.tcp.is_some());
+    let ask = |key: u64, segment: &str| pb::SegmentAccessRequest {
+        fabric: "test".into(),
+        agent: "node-x".into(),
+        segment: segment.into(),
+        key,
+    };
+    let e = peer
+        .segment_access(ask(0x5eee, "prefill-0"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let e = peer
+        .segment_access(ask(0x5eed, "nobody"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let given = peer
+        .segment_access(ask(seg.key, "prefill-0"))
+        .await
+        .unwrap()
+        .into_inner();
+    let regions: Vec<kvfabric_engine::RegionDesc> =
+        serde_json::from_str(&given.regions_json).unwrap();
+    assert_eq!(regions.len(), 1);
+    assert_eq!(regions[0].key.0, 0x5eed);
+    assert_eq!(regions[0].len, 16 * BLOCK);
+}
+
+/// A registry entry for an agent whose peer port accepts connections and never answers.
+async fn hung_peer(store: &MemoryStore) -> (tokio::net::TcpListener, SocketAddr) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = store.registry();
+    fake.register_agent(AgentEntry {
+        name: "node-hung".into(),
+        pool: "prefill".into(),
+        role: None,
+        node: "hung-boot-id".into(),
+        peer_addr: addr,
+        devices: Devices::default(),
+        started_at: 1,
+        instance: 0,
+    })
+    .await
+    .unwrap();
+    fake.put_segment(SegmentEntry {
+        name: "hung-0".into(),
+        agent: "node-hung".into(),
+        regions: vec![SegmentRegion {
+            id: RegionId(1),
+            len: 1 << 20,
+            location: Location::Host { numa: None },
+        }],
+    })
+    .await
+    .unwrap();
+    std::mem::forget(fake);
+    (listener, addr)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_that_never_answers_stalls_no_other_transfer() {
+    let store = MemoryStore::new();
+    let slow = |c: &mut AgentConfig| c.connect_timeout = Duration::from_secs(4);
+    let a = agent("node-a", &store, slow).await;
+    let b = agent("node-b", &store, slow).await;
+    let (_held, _) = hung_peer(&store).await;
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let src = random(16 * BLOCK, 2);
+    let dst = random(16 * BLOCK, 3);
+    let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let d = decode.register("decode-0", &[&dst], None).await.unwrap();
+    // Two batches for the hung peer, waiting on its dial.
+    let hung = (0..2)
+        .map(|_| {
+            let (decode, d) = (decode.clone(), d.clone());
+            tokio::spawn(async move {
+                let start = Instant::now();
+                let r = decode.read(&d, "hung-0", 1, &ops(1)).await;
+                (r, start.elapsed())
+            })
+        })
+        .collect::<Vec<_>>();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Meanwhile a transfer with a live peer goes through at once.
+    let start = Instant::now();
+    let batch = ops(16);
+    decode.read(&d, "prefill-0", p.key, &batch).await.unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "a live peer's transfer waited {:?} behind the hung one",
+        start.elapsed()
+    );
+    assert!(pulled(&batch, &src, &dst));
+    // The hung peer's batches fail by the dial deadline with a code that says "retry".
+    for h in hung {
+        let (r, took) = h.await.unwrap();
+        let e = r.unwrap_err();
+        assert_eq!(e.code(), Some(Code::Unavailable), "{e}");
+        assert!(took < Duration::from_secs(15), "{took:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_restarted_peer_agent_is_reached_again() {
+    let store = MemoryStore::new();
+    let a = agent("node-a", &store, |_| {}).await;
+    let b = agent("node-b", &store, |_| {}).await;
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let dst = random(16 * BLOCK, 4);
+    let d = decode.register("decode-0", &[&dst], None).await.unwrap();
+    let batch = ops(8);
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let src = random(16 * BLOCK, 10);
+    let p = prefill
+        .register("prefill-0", &[&src], Some(0xabc))
+        .await
+        .unwrap();
+    decode.read(&d, "prefill-0", p.key, &batch).await.unwrap();
+    assert!(pulled(&batch, &src, &dst));
+    // The prefill agent restarts under the same name: new regions, new data secret.
+    drop(prefill);
+    a.stop().await.unwrap();
+    let a = agent("node-a", &store, |_| {}).await;
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let src = random(16 * BLOCK, 11);
+    let p = prefill
+        .register("prefill-0", &[&src], Some(0xabc))
+        .await
+        .unwrap();
+    decode.read(&d, "prefill-0", p.key, &batch).await.unwrap();
+    assert!(pulled(&batch, &src, &dst), "after the restart");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_that_goes_away_leaves_no_segment_behind() {
+    use std::os::fd::AsFd;
+    let store = MemoryStore::new();
+    let a = agent("node-a", &store, |_| {}).await;
+    let observer = Client::connect(a.socket_dir()).await.unwrap();
+    let worker = Client::connect(a.socket_dir()).await.unwrap();
+    let m = random(16 * BLOCK, 5);
+    worker.register("short-lived", &[&m], None).await.unwrap();
+    // A tool registers memory detached from its connection, then goes away too.
+    let tool = Client::connect(a.socket_dir()).await.unwrap();
+    let kept = random(BLOCK, 6);
+    let fd_sock = std::os::unix::net::UnixStream::connect(
+        a.socket_dir().join(kvfabric_proto::contract::socket::FD),
+    )
+    .unwrap();
+    kvfabric_engine::transport::fdpass::send_fd(
+        &fd_sock,
+        kvfabric_proto::fd_wire::MAGIC,
+        kept.memfd().unwrap().as_fd(),
+    )
+    .unwrap();
+    let token = kvfabric_proto::fd_wire::read_reply(&mut &fd_sock)
+        .unwrap()
+        .unwrap();
+    tool.grpc()
+        .register_segment(pb::RegisterSegmentRequest {
+            name: "kept".into(),
+            regions: vec![pb::RegionSpec {
+                memory: Some(pb::region_spec::Memory::Host(pb::HostMemory {
+                    fd_token: token,
+                })),
+            }],
+            key: 0,
+            detached: true,
+        })
+        .await
+        .unwrap();
+    let names = |doc: kvfabric_proto::status::StatusDoc| -> Vec<String> {
+        doc.segments.into_iter().map(|s| s.name).collect()
+    };
+    assert!(names(observer.status().await.unwrap()).contains(&"short-lived".to_string()));
+    // Both go away: their connections close.
+    drop(worker);
+    drop(tool);
+    let start = Instant::now();
+    loop {
+        let now = names(observer.status().await.unwrap());
+        if !now.contains(&"short-lived".to_string()) {
+            assert!(now.contains(&"kept".to_string()), "{now:?}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "still registered: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,10 @@
+//! Process plumbing the agent, the engine's listeners and the operator share, so each exists once:
+//! the shutdown signal ([`shutdown`]), exponential back-off ([`backoff`]), and logging at most
+//! once per interval what a peer can provoke ([`throttle`]).
+
+pub mod backoff;
+pub mod shutdown;
+pub mod throttle;
+
+pub use backoff::{AcceptBackoff, Backoff, KeyedBackoff};
+pub use throttle::Throttle;
