@@ -19,6 +19,7 @@ use cudarc::driver::sys;
 use tracing::warn;
 
 use super::CudaPath;
+use super::batch_copy::{Place, batch_copy};
 use super::doorbell::{Doorbell, Ticket};
 use super::driver::{self, Device, DeviceMem, Event, Pinned, Stream, check};
 use super::oplist::OpList;
@@ -408,7 +409,12 @@ impl Lane {
         hints: (u32, u32),
     ) -> Result<()> {
         if self.ce_batch.load(Ordering::Relaxed) {
-            match batch_copy(slot, copies, hints) {
+            let (src, dst) = hints;
+            let all = copies.iter().map(|c| (c.dst, c.src, c.len as usize));
+            // SAFETY: bounds-checked device addresses kept alive by the caller until completion.
+            let queued =
+                unsafe { batch_copy(slot.stream.0, all, Place::Device(src), Place::Device(dst)) };
+            match queued {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     warn!(error = %e, "cuMemcpyBatchAsync refused; copy engine path falls back to one async copy per op");
@@ -447,47 +453,4 @@ fn next(rx: &Receiver<Pending>, spin: bool) -> Option<Pending> {
         }
     }
     rx.recv().ok()
-}
-
-/// The driver's batched copy (CUDA 12.8+, `_v2` since 13.0): one call for the whole batch,
-/// carried out by the copy engines, no SM involved.
-fn batch_copy(slot: &Slot, copies: &[DeviceCopy], (src_dev, dst_dev): (u32, u32)) -> Result<()> {
-    let mut srcs: Vec<u64> = copies.iter().map(|c| c.src).collect();
-    let mut dsts: Vec<u64> = copies.iter().map(|c| c.dst).collect();
-    let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
-    let loc = |id: u32| sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: id as i32,
-    };
-    let mut attrs = [sys::CUmemcpyAttributes {
-        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-        srcLocHint: loc(src_dev),
-        dstLocHint: loc(dst_dev),
-        flags: 0,
-    }];
-    let mut idx = [0usize];
-    let call = || {
-        // SAFETY: the arrays hold `copies.len()` entries and outlive the call (the driver copies
-        // them before returning); the addresses are bounds-checked and kept alive by the caller.
-        unsafe {
-            sys::cuMemcpyBatchAsync_v2(
-                dsts.as_mut_ptr(),
-                srcs.as_mut_ptr(),
-                sizes.as_mut_ptr(),
-                copies.len(),
-                attrs.as_mut_ptr(),
-                idx.as_mut_ptr(),
-                1,
-                slot.stream.0,
-            )
-        }
-    };
-    // A driver without the entry point makes cudarc panic; that is a refusal, not a crash.
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
-        Ok(r) => check("cuMemcpyBatchAsync", r),
-        Err(_) => Err(Error::Cuda {
-            call: "cuMemcpyBatchAsync",
-            code: "entry point missing from the driver".into(),
-        }),
-    }
 }

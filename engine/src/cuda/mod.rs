@@ -11,6 +11,8 @@ pub mod oplist;
 pub mod table_list;
 
 #[cfg(feature = "cuda")]
+pub(crate) mod batch_copy;
+#[cfg(feature = "cuda")]
 mod doorbell;
 #[cfg(feature = "cuda")]
 pub(crate) mod driver;
