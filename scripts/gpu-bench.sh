@@ -2,13 +2,17 @@
 # GPU correctness and benchmark job for the 2-GPU machine. Needs no Rust toolchain: give it a
 # prebuilt release binary (cargo build --release --bin kvfabric; the `cuda` feature is default).
 #
-#   NCCL_NVLS_ENABLE=0 bash scripts/gpu-bench.sh ./kvfabric [quick|sm|ipc|peers|tcp]
+#   NCCL_NVLS_ENABLE=0 bash scripts/gpu-bench.sh ./kvfabric [quick|sm|ipc|tables|peers|tcp]
 #
 # 1. correctness: `kvfabric gpu-selftest` (random sizes, unaligned offsets, both directions,
 #    sm and ce), the engine's GPU tests when their binary travels along (engine-cuda-tests), and
 #    every bench row verifies every destination byte after its timed phase;
 # 2. the sweep: 4 KiB … 1 MiB blocks, 512 MiB per batch, read and write, sm and ce, then both
-#    directions at once, then the single 4 KiB op latency (blocking and spinning completion);
+#    directions at once; the same batches as block tables (`--layout planes:64`: 64 planes, a
+#    layer's K and V each, and block-id pairs shared by all, which the kernel expands itself),
+#    one direction and both; then the single 4 KiB op latency (default and spinning completion).
+#    `tables` runs the block-table rows, the op-list rows they compare with (sm, 4 KiB … 64 KiB)
+#    and the latency rows only;
 # 3. GPU memory over tcp (staged through pinned host buffers) next to host memory over tcp, same
 #    shapes, one after the other: cuda:0 → host and host → host (and cuda:0 ↔ cuda:1), 64 KiB …
 #    1 MiB blocks, read and write (`tcp` mode runs only these after the correctness steps);
@@ -102,14 +106,21 @@ tcp_rows() {
   done
 }
 
+# Block sizes of the block-table rows (sm path, 64 planes).
+table_sizes=(4096 16384 65536 1048576)
 if [[ "$mode" == tcp || "$mode" == peers ]]; then
   sizes=()
   paths=()
+  table_sizes=()
 elif [[ "$mode" == quick ]]; then
   sizes=(65536)
   paths=(sm)
+  table_sizes=(4096)
 elif [[ "$mode" == sm ]]; then
   sizes=(4096 16384 65536 262144 1048576)
+  paths=(sm)
+elif [[ "$mode" == tables ]]; then
+  sizes=(4096 16384 65536)
   paths=(sm)
 else
   sizes=(4096 16384 65536 262144 1048576)
@@ -122,11 +133,23 @@ for path in "${paths[@]}"; do
       --concurrency 24 --no-latency
   done
 done
-for path in "${paths[@]}"; do
-  for bs in "${sizes[@]}"; do
-    bench --cuda-path "$path" --block-size "$bs" --blocks-per-batch $((total / bs)) \
-      --concurrency 24 --bidirectional --no-latency
+if [[ "$mode" != tables ]]; then
+  for path in "${paths[@]}"; do
+    for bs in "${sizes[@]}"; do
+      bench --cuda-path "$path" --block-size "$bs" --blocks-per-batch $((total / bs)) \
+        --concurrency 24 --bidirectional --no-latency
+    done
   done
+fi
+# The same 512 MiB batches as block tables of 64 planes (each a 1/64 of the pool), one
+# direction, then both at once.
+for bs in "${table_sizes[@]}"; do
+  bench --layout planes:64 --cuda-path sm --block-size "$bs" --blocks-per-batch $((total / bs)) \
+    --concurrency 24 --no-latency
+done
+for bs in "${table_sizes[@]}"; do
+  bench --layout planes:64 --cuda-path sm --block-size "$bs" --blocks-per-batch $((total / bs)) \
+    --concurrency 24 --bidirectional --no-latency
 done
 if [[ "$mode" != tcp && "$mode" != peers ]]; then
   # One 4 KiB op at random places of a 12 GiB pool (each op also pays cold GPU address
@@ -138,10 +161,10 @@ if [[ "$mode" != tcp && "$mode" != peers ]]; then
     done
   done
 fi
-[[ "$mode" == quick || "$mode" == ipc || "$mode" == peers ]] || tcp_rows
+[[ "$mode" == quick || "$mode" == ipc || "$mode" == tables || "$mode" == peers ]] || tcp_rows
 
 step "peers (gpu_baselines.py)"
-if [[ "$ngpu" -ge 2 && "$mode" != tcp && "$mode" != ipc ]]; then
+if [[ "$ngpu" -ge 2 && "$mode" != tcp && "$mode" != ipc && "$mode" != tables ]]; then
   args=(--skip-nccl)
   [[ "$mode" == quick ]] && args=(--sizes 65536 --skip-nccl --iters 4)
   timeout 150 python3 "$here/gpu_baselines.py" "${args[@]}" >"$OUT/baselines.jsonl" 2>>"$log" ||
@@ -189,10 +212,11 @@ def load(p):
 rows, peers = load(sys.argv[1]), load(sys.argv[2])
 def size(n):
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
-print(f"{'transport':<14}{'op':<6}{'block':>8}{'pool':>7}{'GB/s':>9}{'p50 us':>9}  {'ceiling':<29}{'ratio':>7}  verified")
+print(f"{'transport':<14}{'op':<6}{'layout':<10}{'block':>8}{'pool':>7}{'Mops/s':>8}{'GB/s':>9}{'p50 us':>9}  {'ceiling':<29}{'ratio':>7}  verified")
 for r in rows:
     ceil = f"{r['ceiling_p50_us']:.1f} us" if r.get("ceiling_p50_us") else f"{r['ceiling_gbps']:.1f} GB/s"
-    print(f"{r.get('pair', r['transport']):<14}{r['op']:<6}{size(r['block_size']):>8}{r.get('pool', ''):>7}{r['gbps']:>9.2f}{r['p50_us']:>9.1f}  "
+    print(f"{r.get('pair', r['transport']):<14}{r['op']:<6}{r.get('layout', 'ops'):<10}{size(r['block_size']):>8}{r.get('pool', ''):>7}"
+          f"{r.get('ops_per_sec', 0) / 1e6:>8.2f}{r['gbps']:>9.2f}{r['p50_us']:>9.1f}  "
           f"{r['ceiling_name'][:18] + ' ' + ceil:<29}{r['ratio'] * 100:>6.0f}%  {'yes' if r['verified'] else 'NO'}")
 tcp = {(r["pair"], r["op"], r["block_size"]): r["gbps"] for r in rows if "pair" in r}
 shapes = sorted({(op, bs) for (_, op, bs) in tcp}, key=lambda k: (k[0], k[1]))

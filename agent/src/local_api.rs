@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::Stream;
-use kvfabric_engine::{BlockOp, Opcode, RegionId};
+use kvfabric_engine::{
+    BatchOps, BlockOp, BlockPair, BlockTable, Opcode, Plane, PlaneSide, RegionId,
+};
 use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status};
 
@@ -64,26 +66,79 @@ pub fn decode_transfer(req: SubmitRequest) -> Result<Transfer, Error> {
             ));
         }
     };
+    let ops = match req.table {
+        Some(_) if !req.ops.is_empty() => {
+            return Err(Error::invalid(
+                "table",
+                format!("a table beside {} ops", req.ops.len()),
+                "give ops or a table, not both",
+            ));
+        }
+        Some(table) => BatchOps::Table(decode_table(table)?),
+        None => BatchOps::List(
+            req.ops
+                .iter()
+                .map(|o| BlockOp {
+                    local_region: RegionId(o.local_region.into()),
+                    local_offset: o.local_offset,
+                    remote_region: RegionId(o.remote_region.into()),
+                    remote_offset: o.remote_offset,
+                    len: o.len,
+                })
+                .collect(),
+        ),
+    };
     Ok(Transfer {
         local_segment: req.local_segment,
         local_key: req.local_key,
         remote_segment: req.remote_segment,
         remote_key: req.remote_key,
         opcode,
-        ops: req
-            .ops
-            .iter()
-            .map(|o| BlockOp {
-                local_region: RegionId(o.local_region.into()),
-                local_offset: o.local_offset,
-                remote_region: RegionId(o.remote_region.into()),
-                remote_offset: o.remote_offset,
-                len: o.len,
-            })
-            .collect(),
+        ops,
         timeout: (req.timeout_ms > 0).then(|| Duration::from_millis(req.timeout_ms)),
         checksum: req.checksum,
     })
+}
+
+/// A block table as the engine takes it, its regions still indexes in the two segments.
+fn decode_table(t: pb::BlockTable) -> Result<BlockTable, Error> {
+    if t.local_blocks.len() != t.remote_blocks.len() {
+        return Err(Error::invalid(
+            "table.remote_blocks",
+            format!("{} ids", t.remote_blocks.len()),
+            format!(
+                "must pair with table.local_blocks ({} ids)",
+                t.local_blocks.len()
+            ),
+        ));
+    }
+    let side = |i: usize, name: &str, s: Option<pb::PlaneSide>| {
+        s.map(|s| PlaneSide {
+            region: RegionId(s.region.into()),
+            base: s.base,
+            stride: s.stride,
+        })
+        .ok_or_else(|| Error::invalid(format!("table.planes[{i}].{name}"), "unset", "set it"))
+    };
+    let planes = t
+        .planes
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            Ok(Plane {
+                local: side(i, "local", p.local)?,
+                remote: side(i, "remote", p.remote)?,
+                block_bytes: p.block_bytes,
+            })
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    let blocks = t
+        .local_blocks
+        .into_iter()
+        .zip(t.remote_blocks)
+        .map(|(local, remote)| BlockPair { local, remote })
+        .collect();
+    Ok(BlockTable { planes, blocks })
 }
 
 /// The agent's ordinal of the GPU a region names: by UUID when given (the worker's numbering

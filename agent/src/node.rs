@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use kvfabric_engine::{
-    AccessKey, Batch, BlockOp, CudaExport, DataSecret, Engine, IpcHandle, Location, Opcode, Peer,
-    Preference, Region, RegionDesc, RegionId, SegmentDescriptor, TransportKind,
+    AccessKey, Batch, BatchOps, BlockOp, CudaExport, DataSecret, Engine, IpcHandle, Location,
+    Opcode, Peer, Preference, Region, RegionDesc, RegionId, SegmentDescriptor, TransportKind,
 };
 use serde::Serialize;
 use tracing::{Instrument, debug, field, info, info_span, warn};
@@ -118,8 +118,8 @@ pub struct Transfer {
     pub remote_segment: String,
     pub remote_key: u64,
     pub opcode: Opcode,
-    /// Region fields are indexes into the segments' region lists.
-    pub ops: Vec<BlockOp>,
+    /// Ops or a block table; region fields are indexes into the segments' region lists.
+    pub ops: BatchOps,
     pub timeout: Option<Duration>,
     pub checksum: bool,
 }
@@ -479,15 +479,24 @@ impl Node {
     async fn transfer_in_span(&self, t: &Transfer) -> Result<TransferResult> {
         let span = tracing::Span::current();
         let local = self.local_segment(&t.local_segment, t.local_key)?;
+        // A table counts as its planes × blocks.
+        let field = match t.ops {
+            BatchOps::List(_) => "ops",
+            BatchOps::Table(_) => "table",
+        };
         if t.ops.is_empty() {
-            return Err(Error::invalid("ops", 0, "a batch needs at least one op"));
+            return Err(Error::invalid(
+                field,
+                0,
+                "a batch needs at least one op (a table: a plane and a block)",
+            ));
         }
         if t.ops.len() > self.config.max_batch_ops {
             return Err(Error::invalid(
-                "ops",
+                field,
                 t.ops.len(),
                 format!(
-                    "more than the agent's limit of {}",
+                    "more than the agent's limit of {} block ops",
                     self.config.max_batch_ops
                 ),
             ));
@@ -504,41 +513,55 @@ impl Node {
         };
         span.record("kvfabric.src.node", src_node.as_str());
         span.record("kvfabric.dst.node", dst_node.as_str());
-        let mut ops = Vec::with_capacity(t.ops.len());
         let mut gpu_only = true;
-        for (i, o) in t.ops.iter().enumerate() {
-            let l = local
-                .regions
-                .get(o.local_region.0 as usize)
-                .ok_or_else(|| {
-                    index_error(
-                        i,
-                        "local_region",
-                        o.local_region.0,
-                        &local.name,
-                        local.regions.len(),
-                    )
-                })?;
-            let r = remote
-                .regions
-                .get(o.remote_region.0 as usize)
-                .ok_or_else(|| {
-                    index_error(
-                        i,
-                        "remote_region",
-                        o.remote_region.0,
-                        &remote.name,
-                        remote.regions.len(),
-                    )
-                })?;
-            gpu_only &= matches!(l.location(), Location::Cuda { .. })
-                && matches!(r.location, Location::Cuda { .. });
-            ops.push(BlockOp {
-                local_region: l.id(),
-                remote_region: r.id,
-                ..*o
-            });
-        }
+        // Segment indexes to the engines' region ids, once per op or once per plane.
+        let mut resolve = |field: String, l: RegionId, r: RegionId| {
+            let lr = local.regions.get(l.0 as usize).ok_or_else(|| {
+                index_error(
+                    format!("{field}local_region"),
+                    l.0,
+                    &local.name,
+                    local.regions.len(),
+                )
+            })?;
+            let rr = remote.regions.get(r.0 as usize).ok_or_else(|| {
+                index_error(
+                    format!("{field}remote_region"),
+                    r.0,
+                    &remote.name,
+                    remote.regions.len(),
+                )
+            })?;
+            gpu_only &= matches!(lr.location(), Location::Cuda { .. })
+                && matches!(rr.location, Location::Cuda { .. });
+            Ok::<_, Error>((lr.id(), rr.id))
+        };
+        let ops = match &t.ops {
+            BatchOps::List(list) => {
+                let mut ops = Vec::with_capacity(list.len());
+                for (i, o) in list.iter().enumerate() {
+                    let (l, r) = resolve(format!("ops[{i}]."), o.local_region, o.remote_region)?;
+                    ops.push(BlockOp {
+                        local_region: l,
+                        remote_region: r,
+                        ..*o
+                    });
+                }
+                BatchOps::List(ops)
+            }
+            BatchOps::Table(table) => {
+                let mut table = table.clone();
+                for (i, p) in table.planes.iter_mut().enumerate() {
+                    let (l, r) = resolve(
+                        format!("table.planes[{i}]."),
+                        p.local.region,
+                        p.remote.region,
+                    )?;
+                    (p.local.region, p.remote.region) = (l, r);
+                }
+                BatchOps::Table(table)
+            }
+        };
         let link = self.link(&remote, gpu_only).await?;
         span.record("kvfabric.transport", link.peer.transport().to_string());
         span.record("kvfabric.transport.reason", link.reason.as_str());
@@ -568,7 +591,7 @@ impl Node {
             otel.status_code = field::Empty,
         );
         let outcome = async {
-            let mut batch = Batch::new(t.opcode, ops)
+            let mut batch = Batch::of(t.opcode, ops)
                 .with_checksum(t.checksum)
                 .with_remote_key(AccessKey(t.remote_key));
             batch.trace = telemetry::current_trace();
@@ -917,9 +940,9 @@ fn connection_lost(e: &kvfabric_engine::Error) -> bool {
     )
 }
 
-fn index_error(op: usize, field: &str, index: u64, segment: &str, count: usize) -> Error {
+fn index_error(field: String, index: u64, segment: &str, count: usize) -> Error {
     Error::invalid(
-        format!("ops[{op}].{field}"),
+        field,
         index,
         format!("segment {segment:?} has {count} regions"),
     )

@@ -193,6 +193,124 @@ async fn workers_on_one_node_use_shared_memory() {
     pull_and_push("shm,tcp", "shm").await;
 }
 
+/// A block table through two agents (worker → agent → peer agent → worker memory): K and V
+/// planes of 8 layers, each side its own layout (layers in separate regions locally, K and V
+/// interleaved in one region remotely), pulled and then pushed, every block exactly where the
+/// table says.
+async fn tables_through_agents(transports: &str, expect: &str) {
+    use kvfabric_client::{BlockTable, Plane, PlaneSide, SubmitOptions};
+    let store = MemoryStore::new();
+    let a = TestAgent::start("node-a", transports, &store).await;
+    let b = TestAgent::start("node-b", transports, &store).await;
+    let prefill = Client::connect(a.socket_dir()).await.unwrap();
+    let decode = Client::connect(b.socket_dir()).await.unwrap();
+    let (bs, blocks, layers) = (4096u64, 64u64, 8u32);
+    // Remote: one region, block b of layer l's K at (b × layers + l) × 2 bs, its V right after.
+    let src = random(blocks * u64::from(layers) * 2 * bs, 1);
+    // Local: one region per layer, K in its first half, V in its second.
+    let dst: Vec<HostMemory> = (0..layers)
+        .map(|l| random(2 * blocks * bs, 10 + u64::from(l)))
+        .collect();
+    let p = prefill.register("prefill-0", &[&src], None).await.unwrap();
+    let d = decode
+        .register("decode-0", &dst.iter().collect::<Vec<_>>(), None)
+        .await
+        .unwrap();
+    let planes: Vec<Plane> = (0..layers)
+        .flat_map(|l| {
+            (0..2u64).map(move |kv| Plane {
+                local: PlaneSide {
+                    region: l,
+                    base: kv * blocks * bs,
+                    stride: bs,
+                },
+                remote: PlaneSide {
+                    region: 0,
+                    base: (u64::from(l) * 2 + kv) * bs,
+                    stride: u64::from(layers) * 2 * bs,
+                },
+                block_bytes: bs,
+            })
+        })
+        .collect();
+    let table = BlockTable {
+        planes: planes.clone(),
+        local_blocks: vec![5, 0, 63, 17, 18, 19],
+        remote_blocks: vec![1, 2, 3, 40, 41, 0],
+    };
+    let done = decode
+        .submit_blocks(
+            &d,
+            "prefill-0",
+            p.key,
+            pb::Opcode::Read,
+            &table,
+            SubmitOptions::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done.transport, expect, "{done:?}");
+    assert_eq!(done.ops as usize, planes.len() * 6);
+    assert_eq!(done.bytes, planes.len() as u64 * 6 * bs);
+    let moved = |src: &[u8], dst: &[HostMemory], planes: &[Plane], t: &BlockTable| {
+        for p in planes {
+            // SAFETY: the batch completed; nothing is in flight.
+            let to = unsafe { dst[p.local.region as usize].as_slice() };
+            for (&l, &r) in t.local_blocks.iter().zip(&t.remote_blocks) {
+                let lo = (p.local.base + u64::from(l) * p.local.stride) as usize;
+                let ro = (p.remote.base + u64::from(r) * p.remote.stride) as usize;
+                assert!(
+                    to[lo..lo + bs as usize] == src[ro..ro + bs as usize],
+                    "plane {p:?}: local block {l} ≠ remote block {r}"
+                );
+            }
+        }
+    };
+    // SAFETY: the batch completed; nothing is in flight.
+    moved(unsafe { src.as_slice() }, &dst, &planes, &table);
+    // Push other blocks back into the remote region, and check them there.
+    let back = BlockTable {
+        planes: planes.clone(),
+        local_blocks: vec![1, 2, 3],
+        remote_blocks: vec![60, 61, 62],
+    };
+    decode
+        .submit_blocks(
+            &d,
+            "prefill-0",
+            p.key,
+            pb::Opcode::Write,
+            &back,
+            SubmitOptions {
+                checksum: true,
+                ..SubmitOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+    for p in &planes {
+        // SAFETY: the batch completed; nothing is in flight.
+        let (from, to) = unsafe { (dst[p.local.region as usize].as_slice(), src.as_slice()) };
+        for (&l, &r) in back.local_blocks.iter().zip(&back.remote_blocks) {
+            let lo = (p.local.base + u64::from(l) * p.local.stride) as usize;
+            let ro = (p.remote.base + u64::from(r) * p.remote.stride) as usize;
+            assert!(to[ro..ro + bs as usize] == from[lo..lo + bs as usize]);
+        }
+    }
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_tables_move_through_agents_over_tcp() {
+    tables_through_agents("tcp", "tcp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_tables_move_through_agents_over_shm() {
+    tables_through_agents("shm,tcp", "shm").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
     let store = MemoryStore::new();
@@ -220,6 +338,27 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
         ops: vec![op],
         timeout_ms: 0,
         checksum: false,
+        table: None,
+    };
+    // One plane of 4 KiB blocks on each side's region 0, blocks 0 and 1.
+    let side = |region, base| pb::PlaneSide {
+        region,
+        base,
+        stride: 4096,
+    };
+    let table = |planes: Vec<pb::Plane>, local: Vec<u32>, remote: Vec<u32>| SubmitRequest {
+        ops: vec![],
+        table: Some(pb::BlockTable {
+            planes,
+            local_blocks: local,
+            remote_blocks: remote,
+        }),
+        ..good.clone()
+    };
+    let plane = |local, remote| pb::Plane {
+        local: Some(local),
+        remote: Some(remote),
+        block_bytes: 4096,
     };
     let cases: Vec<(&str, SubmitRequest, Code, &str)> = vec![
         (
@@ -308,6 +447,76 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
             },
             Code::InvalidArgument,
             "opcode",
+        ),
+        (
+            "ops and a table",
+            SubmitRequest {
+                ops: vec![op],
+                ..table(vec![plane(side(0, 0), side(0, 0))], vec![0], vec![0])
+            },
+            Code::InvalidArgument,
+            "not both",
+        ),
+        (
+            "table ids unpaired",
+            table(vec![plane(side(0, 0), side(0, 0))], vec![0, 1], vec![0]),
+            Code::InvalidArgument,
+            "table.remote_blocks",
+        ),
+        (
+            "table plane side unset",
+            table(
+                vec![pb::Plane {
+                    remote: None,
+                    ..plane(side(0, 0), side(0, 0))
+                }],
+                vec![0],
+                vec![0],
+            ),
+            Code::InvalidArgument,
+            "table.planes[0].remote",
+        ),
+        (
+            "table region index out of range",
+            table(
+                vec![
+                    plane(side(0, 0), side(0, 0)),
+                    plane(side(0, 1 << 19), side(2, 0)),
+                ],
+                vec![0],
+                vec![0],
+            ),
+            Code::InvalidArgument,
+            "table.planes[1].remote_region",
+        ),
+        (
+            "table past the remote region",
+            table(vec![plane(side(0, 0), side(0, 0))], vec![0], vec![256]),
+            Code::InvalidArgument,
+            "plane 0: remote block 256",
+        ),
+        (
+            "table writing one block twice",
+            table(vec![plane(side(0, 0), side(0, 0))], vec![3, 3], vec![0, 1]),
+            Code::InvalidArgument,
+            "both write local block 3",
+        ),
+        (
+            // 2 planes × 501 blocks pass the limit of 1000 block ops.
+            "oversized table",
+            table(
+                vec![plane(side(0, 0), side(0, 0)), plane(side(0, 1), side(0, 0))],
+                (0..501).collect(),
+                vec![0; 501],
+            ),
+            Code::InvalidArgument,
+            "1002",
+        ),
+        (
+            "empty table",
+            table(vec![], vec![0], vec![0]),
+            Code::InvalidArgument,
+            "at least one op",
         ),
     ];
     for (what, req, code, needle) in cases {

@@ -122,7 +122,7 @@ pub struct BenchArgs {
 
     /// µs a batch waiting on its own thread polls for its reply before it sleeps, and the target
     /// polls a data connection for the next request (`EngineConfig::spin_wait`; each poll holds
-    /// a core). Default: 0, or 200 with --cuda-spin.
+    /// a core). Default: the engine's (50), or 200 with --cuda-spin.
     #[arg(long, value_parser = clap::value_parser!(u64).range(..=1_000_000))]
     pub busy_poll_us: Option<u64>,
 
@@ -139,6 +139,13 @@ pub struct BenchArgs {
     /// a faulty transport would, so that verification must fail naming the blocks changed.
     #[arg(long, value_enum, env = "KVFABRIC_BENCH_CORRUPT", hide = true)]
     pub test_corrupt: Option<CorruptArg>,
+
+    /// How batches are given to the engine: `ops` (explicit block ops, the default) or
+    /// `planes[:N]` (block tables: N planes, default layers × K/V, and block-id pairs shared by
+    /// all; a batch of --blocks-per-batch ops is that many / N pairs). With `planes` and the
+    /// default shape, rows at the model's block size and at the TP-sharded one (--tp).
+    #[arg(long = "layout", default_value = "ops", value_parser = crate::layout::parse_form)]
+    pub form: crate::layout::BatchForm,
 
     #[command(flatten)]
     pub layout: LayoutArgs,
@@ -163,6 +170,10 @@ pub struct LayoutArgs {
     /// Prompt length whose blocks make one batch.
     #[arg(long, default_value_t = 512)]
     pub request_tokens: u64,
+    /// Tensor-parallel ranks of the decode side for the sharded rows of `--layout planes`: each
+    /// rank holds kv_heads / tp heads (default: one head per rank, 4 KiB blocks for Llama-3-8B).
+    #[arg(long)]
+    pub tp: Option<u64>,
 }
 
 /// `kvfabric registry-bench`.
@@ -201,8 +212,12 @@ pub struct SelftestArgs {
 impl BenchArgs {
     /// How long waiting threads poll before they sleep (`EngineConfig::spin_wait`).
     pub fn spin_wait(&self) -> std::time::Duration {
-        let default = if self.cuda_spin { 200 } else { 0 };
-        std::time::Duration::from_micros(self.busy_poll_us.unwrap_or(default))
+        match (self.busy_poll_us, self.cuda_spin) {
+            (Some(us), _) => std::time::Duration::from_micros(us),
+            (None, true) => std::time::Duration::from_micros(200),
+            // The engine's default completion, as a user gets it.
+            (None, false) => kvfabric_engine::EngineConfig::default().spin_wait,
+        }
     }
 }
 

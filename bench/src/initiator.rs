@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvfabric_engine::{
-    Batch, BlockOp, CudaPath, DataSecret, Engine, Location, Opcode, Peer, Preference, RegionDesc,
-    SegmentDescriptor, TransportKind,
+    Batch, BlockOp, BlockPair, BlockTable, CudaPath, DataSecret, Engine, Location, Opcode, Peer,
+    Plane, PlaneSide, Preference, RegionDesc, SegmentDescriptor, TransportKind,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -45,12 +45,29 @@ pub struct RowPlan {
     pub bidirectional: bool,
     /// Only labels the row; the engine was configured with it.
     pub cuda_path: CudaPath,
+    /// Batches as block tables of this many planes (None: op lists). Each pool is cut into
+    /// `planes` equal areas, one per plane, and a batch is `per_batch / planes` block-id pairs.
+    pub planes: Option<u32>,
 }
 
 impl RowPlan {
     /// A single one-block batch in flight: the row measures latency, not bandwidth.
     pub fn is_latency(&self) -> bool {
         self.per_batch == 1 && self.concurrency == 1
+    }
+
+    /// Planes per batch (1 for op lists) and block ops per plane (a table's id pairs).
+    fn shape(&self) -> (usize, usize) {
+        let planes = self.planes.map_or(1, |p| p as usize);
+        (planes, self.per_batch / planes)
+    }
+
+    /// How the row's batches are given: "ops" or "planes:N".
+    pub fn layout(&self) -> String {
+        match self.planes {
+            None => "ops".into(),
+            Some(n) => format!("planes:{n}"),
+        }
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -86,23 +103,31 @@ impl RowPlan {
                 format!("not a whole number of {} blocks", human(self.block_size)),
             ));
         }
-        let blocks = self.pool_bytes / self.block_size;
+        let (planes, pairs) = self.shape();
+        if pairs == 0 || !self.per_batch.is_multiple_of(planes) {
+            return Err(Error::config(
+                "blocks-per-batch",
+                self.per_batch,
+                format!("must be a positive multiple of the layout's {planes} planes"),
+            ));
+        }
+        // Block ids per plane (each plane owns an equal share of the pool).
+        let blocks = self.pool_bytes / self.block_size / planes as u64;
         // Bidirectional rows read sources from the lower half of each pool and write into the
         // upper half, so neither direction overwrites what the other is still reading.
         let (room, need) = if self.bidirectional {
-            (blocks / 2, (self.per_batch * self.concurrency / 2) as u64)
+            (blocks / 2, (pairs * self.concurrency / 2) as u64)
         } else {
-            (blocks, (self.per_batch * self.concurrency) as u64)
+            (blocks, (pairs * self.concurrency) as u64)
         };
         if room < need {
             return Err(Error::config(
                 "pool-bytes",
                 self.pool_bytes,
                 format!(
-                    "holds {blocks} blocks of {}, but {} batches in flight × {} blocks need {need} distinct destination blocks",
+                    "holds {blocks} blocks of {} per plane, but {} batches in flight × {pairs} blocks need {need} distinct destination blocks",
                     human(self.block_size),
                     self.concurrency,
-                    self.per_batch
                 ),
             ));
         }
@@ -219,11 +244,12 @@ impl Initiator {
         };
         if !self.quiet {
             eprintln!(
-                "{} {} {} × {}: transport {} ({})",
+                "{} {} {} × {} ({}): transport {} ({})",
                 label,
                 op_label,
                 human(plan.block_size),
                 plan.per_batch,
+                plan.layout(),
                 selection.kind,
                 selection.reason
             );
@@ -243,6 +269,17 @@ impl Initiator {
             ours.push(t.bytes as f64 / t.seconds / 1e9);
             timed.absorb(t);
             tokio::task::block_in_place(|| bound.measure_round(self.control_addr, round.duration))?;
+        }
+        // A table's (destination id, source id) pairs hold for every plane's area.
+        let (planes, _) = plan.shape();
+        let per_plane = (plan.pool_bytes / plan.block_size / planes as u64) as u32;
+        for written in [&mut timed.read_written, &mut timed.write_written] {
+            if planes > 1 {
+                *written = (0..planes as u32)
+                    .flat_map(|p| written.iter().map(move |&(d, s)| (d, s, p)))
+                    .map(|(d, s, p)| (p * per_plane + d, p * per_plane + s))
+                    .collect();
+            }
         }
         let row = format!("{label} {op_label} {}", human(plan.block_size));
         let written = Written {
@@ -267,8 +304,10 @@ impl Initiator {
             transport: label,
             selection: selection.reason,
             op: op_label,
+            layout: plan.layout(),
             block_size: plan.block_size,
             blocks_per_batch: plan.per_batch,
+            ops_per_sec: (timed.batches * plan.per_batch as u64) as f64 / timed.seconds,
             concurrency: plan.concurrency,
             batches: timed.batches,
             bytes: timed.bytes,
@@ -296,7 +335,9 @@ impl Initiator {
         remote: &RegionDesc,
         label: &str,
     ) -> Result<Timed> {
-        let blocks = (plan.pool_bytes / plan.block_size) as u32;
+        let (planes, pairs) = plan.shape();
+        // Block ids per plane: the slots share these out as they would a pool's blocks.
+        let blocks = (plan.pool_bytes / plan.block_size / planes as u64) as u32;
         let bar = if self.quiet {
             ProgressBar::hidden()
         } else {
@@ -322,6 +363,9 @@ impl Initiator {
             let plan = plan.clone();
             let remote_id = remote.id;
             let shape = SlotShape::of(&plan, k, blocks);
+            let table_planes = plan
+                .planes
+                .map(|_| table_planes(planes, blocks, plan.block_size, local, remote_id));
             // Each slot is a plain thread that blocks on its batch: the engine's completing
             // thread wakes it directly, with no async scheduler in between.
             slots.push(tokio::task::spawn_blocking(move || {
@@ -337,6 +381,7 @@ impl Initiator {
                 let mut batches = 0u64;
                 let bs = plan.block_size;
                 let mut ops = Vec::with_capacity(plan.per_batch);
+                let mut pairs_of = Vec::with_capacity(pairs);
                 let mut began: Option<Instant> = None;
                 loop {
                     if let Some(t) = began
@@ -344,7 +389,7 @@ impl Initiator {
                     {
                         break;
                     }
-                    for i in 0..plan.per_batch {
+                    for i in 0..pairs {
                         let j = rng.random_range(i..mine.len());
                         mine.swap(i, j);
                         let d = mine[i];
@@ -354,6 +399,13 @@ impl Initiator {
                             Opcode::Read => (d, s),
                             Opcode::Write => (s, d),
                         };
+                        if table_planes.is_some() {
+                            pairs_of.push(BlockPair {
+                                local: lo,
+                                remote: ro,
+                            });
+                            continue;
+                        }
                         ops.push(BlockOp {
                             local_region: local,
                             local_offset: lo as u64 * bs,
@@ -363,8 +415,20 @@ impl Initiator {
                         });
                     }
                     let t = Instant::now();
-                    let ops = std::mem::replace(&mut ops, Vec::with_capacity(plan.per_batch));
-                    let batch = Batch::new(shape.op, ops).with_checksum(plan.checksum);
+                    let batch = match &table_planes {
+                        Some(planes) => Batch::table(
+                            shape.op,
+                            BlockTable {
+                                planes: planes.clone(),
+                                blocks: std::mem::replace(&mut pairs_of, Vec::with_capacity(pairs)),
+                            },
+                        ),
+                        None => Batch::new(
+                            shape.op,
+                            std::mem::replace(&mut ops, Vec::with_capacity(plan.per_batch)),
+                        ),
+                    }
+                    .with_checksum(plan.checksum);
                     let result = peer.run(batch);
                     if began.is_none() {
                         // Reach the barrier even on failure, or the other slots would wait forever.
@@ -433,6 +497,35 @@ impl Initiator {
         timed.bytes = moved.load(Ordering::Relaxed);
         Ok(timed)
     }
+}
+
+/// The planes of a row's tables: plane `p` owns blocks `p × per_plane ..` of each pool, at the
+/// same place on both sides.
+fn table_planes(
+    planes: usize,
+    per_plane: u32,
+    block: u64,
+    local: kvfabric_engine::RegionId,
+    remote: kvfabric_engine::RegionId,
+) -> Vec<Plane> {
+    (0..planes as u64)
+        .map(|p| {
+            let base = p * u64::from(per_plane) * block;
+            Plane {
+                local: PlaneSide {
+                    region: local,
+                    base,
+                    stride: block,
+                },
+                remote: PlaneSide {
+                    region: remote,
+                    base,
+                    stride: block,
+                },
+                block_bytes: block,
+            }
+        })
+        .collect()
 }
 
 #[derive(Default)]
@@ -526,6 +619,7 @@ mod tests {
             peer_location: Location::Host { numa: None },
             bidirectional,
             cuda_path: CudaPath::Sm,
+            planes: None,
         }
     }
 

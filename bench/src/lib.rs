@@ -31,7 +31,7 @@ pub use report::Row;
 
 use crate::args::{BenchArgs, OpArg, SelftestArgs, TransportArg};
 use initiator::Initiator;
-use layout::Layout;
+use layout::{BatchForm, Layout};
 
 /// The single-block row: how long one 4 KiB pull takes, against the fastest raw TCP ping-pong.
 const LATENCY_BLOCK: u64 = 4096;
@@ -187,25 +187,40 @@ pub fn plans(args: &BenchArgs, layout: &Layout) -> Vec<RowPlan> {
         peer_location: args.peer_location,
         bidirectional: args.bidirectional,
         cuda_path: args.cuda_path,
+        planes: match args.form {
+            BatchForm::Ops => None,
+            BatchForm::Planes(n) => Some(n.unwrap_or_else(|| layout.planes())),
+        },
     };
+    let default_shape = args.block_size.is_none() && args.blocks_per_batch.is_none();
+    // Block tables at the model's shape come with the TP-sharded one: the same ops per batch
+    // in blocks of one rank's KV heads.
+    let mut shapes = vec![base.clone()];
+    if base.planes.is_some() && default_shape {
+        shapes.push(RowPlan {
+            block_size: layout.sharded_block_bytes(),
+            ..base.clone()
+        });
+    }
     let mut plans = Vec::new();
-    for &transport in &transports {
-        if args.bidirectional {
-            plans.push(RowPlan {
-                transport,
-                ..base.clone()
-            });
-            continue;
-        }
-        for &op in &ops {
-            plans.push(RowPlan {
-                transport,
-                op,
-                ..base.clone()
-            });
+    for shape in &shapes {
+        for &transport in &transports {
+            if args.bidirectional {
+                plans.push(RowPlan {
+                    transport,
+                    ..shape.clone()
+                });
+                continue;
+            }
+            for &op in &ops {
+                plans.push(RowPlan {
+                    transport,
+                    op,
+                    ..shape.clone()
+                });
+            }
         }
     }
-    let default_shape = args.block_size.is_none() && args.blocks_per_batch.is_none();
     let latency_transport = [TransportArg::Tcp, TransportArg::CudaIpc]
         .into_iter()
         .find(|t| transports.contains(t));
@@ -217,6 +232,8 @@ pub fn plans(args: &BenchArgs, layout: &Layout) -> Vec<RowPlan> {
             block_size: LATENCY_BLOCK,
             per_batch: 1,
             concurrency: 1,
+            // One op, whatever the layout: the row measures completion.
+            planes: None,
             ..base
         });
     }

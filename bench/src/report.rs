@@ -12,8 +12,12 @@ pub struct Row {
     pub transport: String,
     pub selection: String,
     pub op: String,
+    /// "ops" (explicit block ops) or "planes:N" (block tables of N planes).
+    pub layout: String,
     pub block_size: u64,
     pub blocks_per_batch: usize,
+    /// Block ops moved per second: what the host had to describe and complete.
+    pub ops_per_sec: f64,
     pub concurrency: usize,
     pub batches: u64,
     pub bytes: u64,
@@ -46,10 +50,12 @@ pub fn table(rows: &[Row]) -> String {
     t.set_header([
         "transport",
         "op",
+        "layout",
         "block",
         "ops/batch",
         "inflight",
         "batches",
+        "ops/s",
         "GB/s",
         "p50 µs",
         "p99 µs",
@@ -72,10 +78,12 @@ pub fn table(rows: &[Row]) -> String {
         t.add_row([
             r.transport.clone(),
             r.op.clone(),
+            r.layout.clone(),
             human(r.block_size),
             r.blocks_per_batch.to_string(),
             r.concurrency.to_string(),
             r.batches.to_string(),
+            format!("{:.2} M", r.ops_per_sec / 1e6),
             format!("{:.2}", r.gbps),
             format!("{:.1}", r.p50_us),
             format!("{:.1}", r.p99_us),
@@ -90,7 +98,7 @@ pub fn table(rows: &[Row]) -> String {
             r.same_shape.as_ref().map(value).unwrap_or_default(),
         ]);
     }
-    for i in [5, 6, 7, 8, 9, 11, 12, 13] {
+    for i in [6, 7, 8, 9, 10, 11, 13, 14, 15] {
         if let Some(c) = t.column_mut(i) {
             c.set_cell_alignment(CellAlignment::Right);
         }
@@ -123,8 +131,10 @@ mod tests {
             transport: "tcp".into(),
             selection: String::new(),
             op: op.into(),
+            layout: "ops".into(),
             block_size: 64 << 10,
             blocks_per_batch: 16,
+            ops_per_sec: 160.0,
             concurrency: 4,
             batches: 10,
             bytes: 10 * 16 * (64 << 10),

@@ -361,6 +361,105 @@ fn a_pool_that_is_not_a_whole_number_of_blocks_is_refused() {
     }
 }
 
+/// `--layout planes:N` moves block tables (N planes of a pool each, id pairs shared by all)
+/// over tcp and shm, verifies every byte, and says so in each row with its ops per second;
+/// with the default shape it adds rows at the TP-sharded block size.
+#[test]
+fn block_table_rows_verify_every_byte_and_report_ops_per_second() {
+    let out = Command::new(BIN)
+        .args([
+            "bench",
+            "--json",
+            "--layout",
+            "planes:8",
+            "--duration",
+            "0.3",
+            "--pool-bytes",
+            "8MiB",
+            "--block-size",
+            "4KiB",
+            "--blocks-per-batch",
+            "64",
+            "--concurrency",
+            "3",
+            "--checksum",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table_rows = rows(&out.stdout);
+    assert_eq!(table_rows.len(), 4);
+    for r in &table_rows {
+        assert_eq!(r["layout"], "planes:8", "{r}");
+        assert_eq!(r["verified"], true);
+        assert_eq!(r["blocks_per_batch"], 64);
+        let (batches, secs) = (
+            r["batches"].as_f64().unwrap(),
+            r["seconds"].as_f64().unwrap(),
+        );
+        assert!(batches > 0.0);
+        let ops = r["ops_per_sec"].as_f64().unwrap();
+        assert!((ops - batches * 64.0 / secs).abs() <= 1e-6 * ops, "{r}");
+        assert_eq!(r["bytes"].as_f64().unwrap(), batches * 64.0 * 4096.0);
+    }
+    // The default shape: the model's 32 KiB blocks and one KV head per rank's 4 KiB, 64
+    // planes (Llama-3-8B's layers × K/V), 2048 ops a batch (no latency row over shm).
+    let out = Command::new(BIN)
+        .args([
+            "bench",
+            "--json",
+            "--layout",
+            "planes",
+            "--transport",
+            "shm",
+            "--op",
+            "read",
+            "--duration",
+            "0.2",
+            "--pool-bytes",
+            "256MiB",
+            "--concurrency",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let default_rows = rows(&out.stdout);
+    let shapes: Vec<(u64, &str)> = default_rows
+        .iter()
+        .map(|r| {
+            (
+                r["block_size"].as_u64().unwrap(),
+                r["layout"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(shapes, [(32768, "planes:64"), (4096, "planes:64")]);
+    // A batch that is no multiple of the planes is refused, naming the flag.
+    let out = Command::new(BIN)
+        .args([
+            "bench",
+            "--layout",
+            "planes:8",
+            "--block-size",
+            "4KiB",
+            "--blocks-per-batch",
+            "12",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("blocks-per-batch"));
+}
+
 #[test]
 fn auto_transport_says_what_it_picked() {
     let out = Command::new(BIN)

@@ -1,5 +1,6 @@
 //! What a worker links to talk to its node's agent: register KV memory, submit batches of block
-//! ops against segments named in the registry, await completion.
+//! ops (or block tables: planes × block-id pairs) against segments named in the registry, await
+//! completion.
 //!
 //! ```no_run
 //! # async fn demo() -> kvfabric_client::Result<()> {
@@ -74,6 +75,57 @@ impl From<Op> for pb::BlockOp {
             remote_region: o.remote_region,
             remote_offset: o.remote_offset,
             len: o.len,
+        }
+    }
+}
+
+/// One side of a block-table plane: block `i` starts at `base + i × stride` of region `region`
+/// (an index in that side's segment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlaneSide {
+    pub region: u32,
+    pub base: u64,
+    pub stride: u64,
+}
+
+/// A plane of a block table (one per layer and K/V, say): where its blocks lie on each side,
+/// and how many bytes of each block move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plane {
+    pub local: PlaneSide,
+    pub remote: PlaneSide,
+    pub block_bytes: u64,
+}
+
+/// A batch as an inference engine describes a request: planes, and the block-id pairs every
+/// plane moves (`local_blocks[i]` with `remote_blocks[i]`). The agent checks it per plane, and
+/// (over cuda-ipc) the GPU expands it itself: its cost grows with planes + blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockTable {
+    pub planes: Vec<Plane>,
+    pub local_blocks: Vec<u32>,
+    pub remote_blocks: Vec<u32>,
+}
+
+impl From<&BlockTable> for pb::BlockTable {
+    fn from(t: &BlockTable) -> Self {
+        let side = |s: PlaneSide| pb::PlaneSide {
+            region: s.region,
+            base: s.base,
+            stride: s.stride,
+        };
+        pb::BlockTable {
+            planes: t
+                .planes
+                .iter()
+                .map(|p| pb::Plane {
+                    local: Some(side(p.local)),
+                    remote: Some(side(p.remote)),
+                    block_bytes: p.block_bytes,
+                })
+                .collect(),
+            local_blocks: t.local_blocks.clone(),
+            remote_blocks: t.remote_blocks.clone(),
         }
     }
 }
@@ -265,20 +317,55 @@ impl Client {
         options: SubmitOptions,
     ) -> Result<SubmitResponse> {
         let request = SubmitRequest {
+            ops: ops.iter().map(|&o| o.into()).collect(),
+            ..Self::request(local, remote, remote_key, opcode, &options)
+        };
+        self.submit_traced(request, options.traceparent)
+            .await
+            .map_err(|s| self.rpc_error("Submit", s))
+    }
+
+    /// Moves a block table between `local` and `remote`: every plane's blocks
+    /// `local_blocks[i]` ↔ `remote_blocks[i]`, in the direction `opcode` says.
+    pub async fn submit_blocks(
+        &self,
+        local: &Segment,
+        remote: &str,
+        remote_key: u64,
+        opcode: pb::Opcode,
+        table: &BlockTable,
+        options: SubmitOptions,
+    ) -> Result<SubmitResponse> {
+        let request = SubmitRequest {
+            table: Some(table.into()),
+            ..Self::request(local, remote, remote_key, opcode, &options)
+        };
+        self.submit_traced(request, options.traceparent)
+            .await
+            .map_err(|s| self.rpc_error("Submit", s))
+    }
+
+    /// A request of no ops yet.
+    fn request(
+        local: &Segment,
+        remote: &str,
+        remote_key: u64,
+        opcode: pb::Opcode,
+        options: &SubmitOptions,
+    ) -> SubmitRequest {
+        SubmitRequest {
             local_segment: local.name.clone(),
             local_key: local.key,
             remote_segment: remote.into(),
             remote_key,
             opcode: opcode as i32,
-            ops: ops.iter().map(|&o| o.into()).collect(),
+            ops: Vec::new(),
             timeout_ms: options
                 .timeout
                 .map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
             checksum: options.checksum,
-        };
-        self.submit_traced(request, options.traceparent)
-            .await
-            .map_err(|s| self.rpc_error("Submit", s))
+            table: None,
+        }
     }
 
     /// The request as given, and the gRPC status as the agent answered (tests of bad input).
@@ -303,7 +390,7 @@ impl Client {
             kvfabric.local.segment = %request.local_segment,
             kvfabric.remote.segment = %request.remote_segment,
             kvfabric.op = request.opcode,
-            kvfabric.blocks = request.ops.len(),
+            kvfabric.blocks = blocks(&request),
         );
         async {
             let mut call = tonic::Request::new(request);
@@ -347,6 +434,14 @@ impl Client {
             .await
             .map_err(|s| self.rpc_error("WatchSegments", s))?
             .into_inner())
+    }
+}
+
+/// Block ops a request stands for (a table: planes × blocks).
+fn blocks(request: &SubmitRequest) -> usize {
+    match &request.table {
+        Some(t) => t.planes.len().saturating_mul(t.local_blocks.len()),
+        None => request.ops.len(),
     }
 }
 

@@ -1,6 +1,6 @@
 //! Writes real frames into the frame fuzzer's seed corpus: a target engine and an initiator talk
 //! through a recording proxy (handshake with and without the segment key, write and read
-//! chunks with checksums and trace context, a refused chunk, a KeepAlive), and every frame each
+//! chunks with checksums and trace context, table chunks, a refused chunk, a KeepAlive), and every frame each
 //! side sent is cut out and written to `DIR/<direction>-<n>-<kind>`.
 //!
 //!     cargo run -p kvfabric-engine --example fuzz_seeds -- fuzz/seeds/frame
@@ -11,9 +11,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvfabric_engine::frame::{FLAG_CRC, FLAG_ERROR, FrameKind, HEADER_LEN, Header};
+use kvfabric_engine::frame::{
+    FLAG_CRC, FLAG_ERROR, FLAG_TRACE, FrameKind, HEADER_LEN, Header, TABLE_HEAD_LEN, TRACE_LEN,
+    TableHead,
+};
 use kvfabric_engine::{
-    AccessKey, Batch, BlockOp, Engine, EngineConfig, Preference, TraceContext, TransportKind,
+    AccessKey, Batch, BlockOp, BlockPair, BlockTable, Engine, EngineConfig, Plane, PlaneSide,
+    Preference, TraceContext, TransportKind,
 };
 
 type Tape = Arc<Mutex<Vec<u8>>>;
@@ -53,7 +57,7 @@ fn proxy(target: std::net::SocketAddr) -> (std::net::SocketAddr, Tapes) {
 }
 
 /// Bytes of the frame at the start of `b` (header, body, payload, trailer), given who sent it.
-fn frame_len(h: &Header, from_initiator: bool) -> usize {
+fn frame_len(h: &Header, b: &[u8], from_initiator: bool) -> usize {
     let crc = if h.has(FLAG_CRC) {
         h.count as usize * 4
     } else {
@@ -64,6 +68,16 @@ fn frame_len(h: &Header, from_initiator: bool) -> usize {
             _ if h.has(FLAG_ERROR) => h.len as usize,
             FrameKind::WriteManifest => h.manifest_len() + h.len as usize + crc,
             FrameKind::ReadManifest => h.manifest_len(),
+            FrameKind::WriteTable | FrameKind::ReadTable => {
+                let at = HEADER_LEN + if h.has(FLAG_TRACE) { TRACE_LEN } else { 0 };
+                let head =
+                    TableHead::decode(h, b[at..at + TABLE_HEAD_LEN].try_into().unwrap()).unwrap();
+                let manifest = at - HEADER_LEN + TABLE_HEAD_LEN + head.body_len();
+                match h.kind {
+                    FrameKind::WriteTable => manifest + h.len as usize + crc,
+                    _ => manifest,
+                }
+            }
             FrameKind::ReadData if !from_initiator => h.len as usize + crc,
             _ => h.len as usize,
         }
@@ -120,7 +134,32 @@ fn main() {
             .await
             .unwrap();
         let ops = vec![op(0, 128, 64), op(256, 512, 100), op(1024, 4096, 33)];
+        // Two planes (K and V, say) of three blocks each.
+        let table = BlockTable {
+            planes: [0u64, 1]
+                .map(|kv| Plane {
+                    local: PlaneSide {
+                        region: local.id(),
+                        base: kv * 8192,
+                        stride: 512,
+                    },
+                    remote: PlaneSide {
+                        region: remote.id(),
+                        base: 16384 + kv * 8192,
+                        stride: 1024,
+                    },
+                    block_bytes: 500,
+                })
+                .to_vec(),
+            blocks: [(0, 2), (5, 0), (1, 7)]
+                .map(|(local, remote)| BlockPair { local, remote })
+                .to_vec(),
+        };
         for batch in [
+            Batch::table(kvfabric_engine::Opcode::Write, table.clone())
+                .with_checksum(true)
+                .with_trace(trace),
+            Batch::table(kvfabric_engine::Opcode::Read, table.clone()),
             Batch::write(ops.clone())
                 .with_checksum(true)
                 .with_trace(trace),
@@ -159,7 +198,7 @@ fn main() {
                 let mut at = 0;
                 while at + HEADER_LEN <= tape.len() {
                     let h = Header::decode(&tape[at..]).unwrap();
-                    let len = frame_len(&h, from_initiator).min(tape.len() - at);
+                    let len = frame_len(&h, &tape[at..], from_initiator).min(tape.len() - at);
                     let name = format!("{side}-{c}-{at:05}-{:?}", h.kind).to_lowercase();
                     std::fs::write(dir.join(name), &tape[at..at + len]).unwrap();
                     at += len;

@@ -8,16 +8,38 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::block_table::BlockTable;
 use crate::error::{Error, Result};
 use crate::frame::TraceContext;
 use crate::op::{BlockOp, Opcode};
 use crate::region::{AccessKey, Lease};
 use crate::transport::TransportKind;
 
+/// What a batch moves: explicit block ops, or a block table (planes × block-id pairs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchOps {
+    List(Vec<BlockOp>),
+    Table(BlockTable),
+}
+
+impl BatchOps {
+    /// Block ops the batch stands for (a table: planes × blocks, saturating).
+    pub fn len(&self) -> usize {
+        match self {
+            BatchOps::List(ops) => ops.len(),
+            BatchOps::Table(t) => t.elements().unwrap_or(usize::MAX),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Batch {
     pub opcode: Opcode,
-    pub ops: Vec<BlockOp>,
+    pub ops: BatchOps,
     /// Overrides the engine's default batch timeout.
     pub timeout: Option<Duration>,
     /// Send a crc32c of every op's payload and verify it on arrival.
@@ -32,6 +54,13 @@ pub struct Batch {
 
 impl Batch {
     pub fn new(opcode: Opcode, ops: Vec<BlockOp>) -> Self {
+        Batch::of(opcode, BatchOps::List(ops))
+    }
+    /// A block-table batch: every plane moves every block-id pair.
+    pub fn table(opcode: Opcode, table: BlockTable) -> Self {
+        Batch::of(opcode, BatchOps::Table(table))
+    }
+    pub fn of(opcode: Opcode, ops: BatchOps) -> Self {
         Batch {
             opcode,
             ops,
@@ -198,6 +227,21 @@ impl Job {
     }
 }
 
+/// Waiters poll only batches up to this size. A lone small op is what polling speeds up (a
+/// wake-up costs it tens of µs); a large batch runs far longer than any window, and many of
+/// them in flight would keep as many cores polling while the host has ops to prepare.
+pub(crate) const POLLED_BYTES: u64 = 4 << 20;
+
+/// How long a waiter polls a batch of `bytes` before it sleeps, given the configured `window`
+/// (`EngineConfig::spin_wait`): the window up to [`POLLED_BYTES`], nothing above.
+pub(crate) fn poll_window(bytes: u64, window: Duration) -> Duration {
+    if bytes <= POLLED_BYTES {
+        window
+    } else {
+        Duration::ZERO
+    }
+}
+
 /// The caller's side of a submitted batch.
 #[derive(Debug)]
 pub struct BatchHandle {
@@ -207,7 +251,7 @@ pub struct BatchHandle {
     pub(crate) transport: TransportKind,
     pub(crate) ops: usize,
     pub(crate) coalesced_ops: usize,
-    /// How long `wait_blocking` polls before it sleeps (`EngineConfig::spin_wait`).
+    /// How long `wait_blocking` polls before it sleeps ([`poll_window`]).
     pub(crate) spin: Duration,
 }
 
@@ -318,5 +362,20 @@ impl BatchHandle {
             bytes,
             elapsed: self.started.elapsed(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_batches_up_to_4_mib_are_polled() {
+        let w = Duration::from_micros(50);
+        assert_eq!(poll_window(4096, w), w);
+        assert_eq!(poll_window(POLLED_BYTES, w), w);
+        assert_eq!(poll_window(POLLED_BYTES + 1, w), Duration::ZERO);
+        assert_eq!(poll_window(u64::MAX, w), Duration::ZERO);
+        assert_eq!(poll_window(4096, Duration::ZERO), Duration::ZERO);
     }
 }

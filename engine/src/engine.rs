@@ -10,23 +10,25 @@ use std::time::Instant;
 use tracing::{debug, info};
 
 use crate::auth::DataSecret;
-use crate::batch::{Batch, BatchHandle, BatchResult, Job};
+use crate::batch::{Batch, BatchHandle, BatchOps, BatchResult, Job};
+use crate::block_table::{BlockTable, plane_end};
 pub use crate::engine_config::EngineConfig;
 use crate::error::{Error, Result, Side};
-use crate::frame::Entry;
+use crate::frame::{Entry, TablePlane};
 use crate::handshake::Credentials;
-use crate::op::{self, RegionIndex};
+use crate::op::{self, BlockOp, Opcode, RegionIndex};
 use crate::rdma::{ConnectInfo, RdmaExchange, RdmaNicInfo};
 use crate::region::{AccessKey, Lease, Location, Region, RegionId};
 use crate::region_table::RegionTable;
 use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor};
+use crate::transport::planned_table::PlannedPlane;
 use crate::transport::select::{Local, NO_EXCHANGE, Preference, Selection, select_for};
 use crate::transport::shm::ShmLink;
 use crate::transport::target::Target;
 pub use crate::transport::target::{ServeObserver, ServedChunk};
 use crate::transport::tcp::{TcpLink, TcpOptions};
 use crate::transport::{
-    Piece, Transport, TransportKind, TransportStats, listener, shm_server, tcp_server,
+    Piece, PlannedTable, Transport, TransportKind, TransportStats, listener, shm_server, tcp_server,
 };
 
 /// Why a build without the cargo feature `rdma` has no RDMA.
@@ -443,11 +445,17 @@ impl Engine {
                 }
                 #[cfg(feature = "cuda")]
                 TransportKind::CudaIpc => {
+                    let c = &inner.config;
+                    let lane = crate::cuda::lane::LaneOptions {
+                        spin: c.cuda_spin,
+                        poll: c.spin_wait,
+                        doorbell_idle: c.cuda_doorbell_idle,
+                    };
                     let link = crate::transport::cuda_ipc::CudaIpcLink::connect(
                         &remote,
-                        inner.config.cuda_path,
-                        inner.config.cuda_spin,
-                        inner.config.cuda_push_by_peer,
+                        c.cuda_path,
+                        lane,
+                        c.cuda_push_by_peer,
                     )?;
                     (Box::new(link), None)
                 }
@@ -566,7 +574,7 @@ impl Peer {
     /// host memory only.
     fn check_locations(
         &self,
-        resolved: &[(u32, u32)],
+        resolved: impl IntoIterator<Item = (usize, u32, u32)>,
         locals: &[Arc<Region>],
         remotes: &[&RegionDesc],
     ) -> Result<()> {
@@ -577,7 +585,7 @@ impl Peer {
             return Ok(());
         }
         let mut first: Option<Location> = None;
-        for (i, &(l, r)) in resolved.iter().enumerate() {
+        for (i, l, r) in resolved {
             let (local, remote) = (&locals[l as usize], remotes[r as usize]);
             let gpu = |l: Location| matches!(l, Location::Cuda { .. });
             let staged = |region, location| Error::StagingNotConfigured {
@@ -629,8 +637,12 @@ impl Peer {
     /// Checks every op (bounds on both sides, keys, overlaps), coalesces, and hands the batch to
     /// the transport. Returns at once; await the handle for completion.
     pub fn submit(&self, batch: Batch) -> Result<BatchHandle> {
-        let (pieces, handle) = self.plan(batch)?;
-        self.link.submit(pieces, handle.job.clone());
+        let (planned, handle) = self.plan(batch)?;
+        let job = handle.job.clone();
+        match planned {
+            Planned::Pieces(pieces) => self.link.submit(pieces, job),
+            Planned::Table(table) => self.link.submit_table(table, job),
+        }
         Ok(handle)
     }
 
@@ -638,36 +650,96 @@ impl Peer {
     /// itself (sent, and its reply read, without waking any engine thread), which is what one
     /// latency-bound block op wants; larger ones are submitted as usual.
     pub fn run(&self, batch: Batch) -> Result<BatchResult> {
-        let (pieces, handle) = self.plan(batch)?;
-        self.link
-            .run_here(pieces, handle.job.clone(), handle.deadline());
+        let (planned, handle) = self.plan(batch)?;
+        let (job, deadline) = (handle.job.clone(), handle.deadline());
+        match planned {
+            Planned::Pieces(pieces) => self.link.run_here(pieces, job, deadline),
+            Planned::Table(table) => self.link.run_table_here(table, job, deadline),
+        }
         handle.wait_blocking()
     }
 
-    /// Checks every op, coalesces, and prepares the job; nothing is sent yet.
-    pub(crate) fn plan(&self, batch: Batch) -> Result<(Vec<Piece>, BatchHandle)> {
+    /// Checks every op (or every plane), and prepares the job; nothing is sent yet.
+    pub(crate) fn plan(&self, batch: Batch) -> Result<(Planned, BatchHandle)> {
         let started = Instant::now();
+        let Batch {
+            opcode,
+            ops,
+            timeout,
+            checksum,
+            remote_key,
+            trace,
+        } = batch;
+        let (planned, locals, elements, bytes) = match ops {
+            BatchOps::List(ops) => {
+                let (pieces, locals, bytes) = self.plan_list(&ops, opcode, remote_key)?;
+                (Planned::Pieces(pieces), locals, ops.len(), bytes)
+            }
+            BatchOps::Table(table) => {
+                let elements = table.elements().unwrap_or(usize::MAX);
+                let (table, locals) = self.plan_table(table, opcode, remote_key)?;
+                let bytes = table.bytes;
+                (Planned::Table(table), locals, elements, bytes)
+            }
+        };
+        let leases: Vec<Lease> = locals.iter().map(|r| r.lease()).collect();
+        let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
+        let job = Job::new(id, opcode, checksum, trace, leases);
+        let coalesced = match &planned {
+            Planned::Pieces(p) => p.len(),
+            // Expanded (and coalesced) by the transport, if at all.
+            Planned::Table(t) => t.elements(),
+        };
+        debug!(
+            batch = id,
+            op = %opcode,
+            ops = elements,
+            coalesced,
+            table = matches!(planned, Planned::Table(_)),
+            transport = %self.link.kind(),
+            "batch submitted"
+        );
+        let handle = BatchHandle {
+            job,
+            timeout: timeout.unwrap_or(self.inner.config.batch_timeout),
+            started,
+            transport: self.link.kind(),
+            ops: elements,
+            coalesced_ops: coalesced,
+            spin: crate::batch::poll_window(bytes, self.inner.config.spin_wait),
+        };
+        Ok((planned, handle))
+    }
+
+    /// An op list: every op checked (bounds on both sides, overlaps), then coalesced. Returns
+    /// the pieces, the local regions and the bytes.
+    fn plan_list(
+        &self,
+        ops: &[BlockOp],
+        opcode: Opcode,
+        remote_key: Option<AccessKey>,
+    ) -> Result<(Vec<Piece>, Vec<Arc<Region>>, u64)> {
         let limit = self.inner.config.max_batch_ops;
-        if batch.ops.len() > limit {
+        if ops.len() > limit {
             return Err(Error::BatchTooLarge {
                 field: "ops",
-                value: batch.ops.len() as u64,
+                value: ops.len() as u64,
                 limit: limit as u64,
             });
         }
         // Bounds before overlaps: the overlap check sizes bitmaps from offsets, which mean
         // nothing until they are known to lie inside their regions.
-        op::check_shape(&batch.ops)?;
+        op::check_shape(ops)?;
         let known = self.known.read().unwrap_or_else(|e| e.into_inner());
         let mut locals: Vec<Arc<Region>> = Vec::new();
         let mut remotes: Vec<&RegionDesc> = Vec::new();
         // Each op's (local, remote) index into those, found once: a KV cache is often one region
         // per layer, and a batch of 10^5 ops must not search them three times per op.
-        let mut resolved: Vec<(u32, u32)> = Vec::with_capacity(batch.ops.len());
+        let mut resolved: Vec<(u32, u32)> = Vec::with_capacity(ops.len());
         let (mut local_at, mut remote_at) = (RegionIndex::default(), RegionIndex::default());
         // What the transports add up (job bytes, chunk sizes) is bounded by this sum.
         let mut total = 0u64;
-        for (i, o) in batch.ops.iter().enumerate() {
+        for (i, o) in ops.iter().enumerate() {
             let (l, new) = local_at.number(o.local_region);
             if new {
                 locals.push(self.inner.regions.get(o.local_region, Side::Local)?);
@@ -702,10 +774,14 @@ impl Peer {
             // Exact: at most `max_batch_ops` (< 2^32) regions are numbered.
             resolved.push((l as u32, r as u32));
         }
-        op::check_destinations(&batch.ops, batch.opcode)?;
-        self.check_locations(&resolved, &locals, &remotes)?;
-        let mut pieces = Vec::with_capacity(batch.ops.len());
-        for c in op::coalesce(&batch.ops) {
+        op::check_destinations(ops, opcode)?;
+        self.check_locations(
+            resolved.iter().enumerate().map(|(i, &(l, r))| (i, l, r)),
+            &locals,
+            &remotes,
+        )?;
+        let mut pieces = Vec::with_capacity(ops.len());
+        for c in op::coalesce(ops) {
             let o = c.op;
             // Coalesced ops share their first op's regions.
             let (l, r) = resolved[c.first_index];
@@ -714,7 +790,7 @@ impl Peer {
                 local: local.range(c.first_index, "local_offset", o.local_offset, o.len)?,
                 remote: Entry {
                     region: remote.id,
-                    key: batch.remote_key.unwrap_or(remote.key),
+                    key: remote_key.unwrap_or(remote.key),
                     offset: o.remote_offset,
                     len: o.len,
                 },
@@ -725,26 +801,113 @@ impl Peer {
             });
         }
         drop(known);
-        let leases: Vec<Lease> = locals.iter().map(|r| r.lease()).collect();
-        let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
-        let job = Job::new(id, batch.opcode, batch.checksum, batch.trace, leases);
-        debug!(
-            batch = id,
-            op = %batch.opcode,
-            ops = batch.ops.len(),
-            coalesced = pieces.len(),
-            transport = %self.link.kind(),
-            "batch submitted"
-        );
-        let handle = BatchHandle {
-            job,
-            timeout: batch.timeout.unwrap_or(self.inner.config.batch_timeout),
-            started,
-            transport: self.link.kind(),
-            ops: batch.ops.len(),
-            coalesced_ops: pieces.len(),
-            spin: self.inner.config.spin_wait,
-        };
-        Ok((pieces, handle))
+        Ok((pieces, locals, total))
     }
+
+    /// A block table: checked per plane (bounds of the largest id on each side, keys through
+    /// the descriptor, destinations apart) in O(planes + blocks), never expanded here.
+    fn plan_table(
+        &self,
+        table: BlockTable,
+        opcode: Opcode,
+        remote_key: Option<AccessKey>,
+    ) -> Result<(PlannedTable, Vec<Arc<Region>>)> {
+        let limit = self.inner.config.max_batch_ops;
+        match table.elements() {
+            Some(n) if n <= limit => {}
+            n => {
+                return Err(Error::BatchTooLarge {
+                    field: "blocks × planes",
+                    value: n.map_or(u64::MAX, |n| n as u64),
+                    limit: limit as u64,
+                });
+            }
+        }
+        let shape = table.validate(opcode)?;
+        let bytes = table.bytes().ok_or(Error::BatchTooLarge {
+            field: "bytes",
+            value: u64::MAX,
+            limit: u64::MAX,
+        })?;
+        let known = self.known.read().unwrap_or_else(|e| e.into_inner());
+        let mut locals: Vec<Arc<Region>> = Vec::new();
+        let mut remotes: Vec<&RegionDesc> = Vec::new();
+        let (mut local_at, mut remote_at) = (RegionIndex::default(), RegionIndex::default());
+        let mut resolved = Vec::with_capacity(table.planes.len());
+        let mut planes = Vec::with_capacity(table.planes.len());
+        for (i, p) in table.planes.iter().enumerate() {
+            let (l, new) = local_at.number(p.local.region);
+            if new {
+                locals.push(self.inner.regions.get(p.local.region, Side::Local)?);
+            }
+            let (r, new) = remote_at.number(p.remote.region);
+            if new {
+                remotes.push(known.region(p.remote.region).ok_or(Error::UnknownRegion {
+                    region: p.remote.region,
+                    side: Side::Remote,
+                })?);
+            }
+            let (local, remote) = (&locals[l], remotes[r]);
+            let out_of_bounds = |side, region, region_len| {
+                let s = p.side(side);
+                let block = shape.max(side);
+                Error::PlaneOutOfBounds {
+                    plane: i,
+                    side,
+                    region,
+                    block,
+                    offset: s.base + u64::from(block) * s.stride,
+                    len: p.block_bytes,
+                    region_len,
+                }
+            };
+            // `validate` checked that both ends fit in 2^64.
+            let local_end = plane_end(p.local.base, p.local.stride, shape.max_local, p.block_bytes)
+                .expect("validated");
+            let extent = local
+                .range(i, "local.base", p.local.base, local_end - p.local.base)
+                .map_err(|_| out_of_bounds(Side::Local, local.id(), local.len()))?;
+            let remote_end = plane_end(
+                p.remote.base,
+                p.remote.stride,
+                shape.max_remote,
+                p.block_bytes,
+            )
+            .expect("validated");
+            if remote_end > remote.len {
+                return Err(out_of_bounds(Side::Remote, remote.id, remote.len));
+            }
+            resolved.push((table.element(i, 0), l as u32, r as u32));
+            planes.push(PlannedPlane {
+                local: extent,
+                local_region: local.id(),
+                local_base: p.local.base,
+                local_stride: p.local.stride,
+                location: local.location(),
+                remote: TablePlane {
+                    region: remote.id,
+                    key: remote_key.unwrap_or(remote.key),
+                    base: p.remote.base,
+                    stride: p.remote.stride,
+                    block_bytes: p.block_bytes,
+                },
+            });
+        }
+        self.check_locations(resolved, &locals, &remotes)?;
+        drop(known);
+        let planned = PlannedTable {
+            planes,
+            blocks: table.blocks.into(),
+            shape,
+            bytes,
+        };
+        Ok((planned, locals))
+    }
+}
+
+/// A batch after the initiator's checks, as the transport takes it.
+#[derive(Debug)]
+pub(crate) enum Planned {
+    Pieces(Vec<Piece>),
+    Table(PlannedTable),
 }

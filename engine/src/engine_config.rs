@@ -39,15 +39,27 @@ pub struct EngineConfig {
     /// How cuda-ipc moves a batch: one kernel over an op list (`Sm`), the copy engines (`Ce`),
     /// or per batch by its mean copy size (`Auto`, the default).
     pub cuda_path: CudaPath,
-    /// cuda-ipc completion threads poll their events instead of sleeping in cuEventSynchronize:
-    /// a few µs less latency per batch for one busy core per GPU in use. Off by default.
+    /// cuda-ipc completion threads poll their events instead of sleeping in cuEventSynchronize,
+    /// for 20 ms after their last batch, and a caller's `Peer::run` polls until its batch is
+    /// done: one busy core per GPU in use while batches keep coming. Off by default (the
+    /// default `spin_wait` gets a lone small op most of the way at no idle cost).
     pub cuda_spin: bool,
-    /// `BatchHandle::wait_blocking` polls for completion this long before it sleeps, a tcp
-    /// batch run on the caller's thread (`Peer::run`) polls its socket as long for the reply,
+    /// A thread that waits for its own batch of at most 4 MiB (`Peer::run`,
+    /// `BatchHandle::wait_blocking`) polls for completion this long before it sleeps: a batch
+    /// done within it costs no wake-up (microseconds per batch), and no thread polls once its
+    /// batch is done or the window has passed, so an idle engine polls nothing. Larger batches
+    /// are never polled: they outlast any window, and many in flight would hold as many cores.
+    /// Over tcp the caller running its own small batch polls its socket as long for the reply,
     /// and a tcp target polls each data connection as long for the next request after serving
-    /// one (0: never polls; a socket polls 1 s at most; each poll holds a core). With
-    /// `cuda_spin`, the lowest latency for single small batches.
+    /// one (a socket polls 1 s at most); over cuda-ipc the caller polls its GPU work itself (and
+    /// small batches take the doorbell). 0: never polls, completion always wakes the waiter (the
+    /// lowest CPU use, tens of µs more per small batch). Default 50 µs.
     pub spin_wait: Duration,
+    /// cuda-ipc's doorbell kernel (one CTA that takes small batches of a polling caller with no
+    /// launch; see `cuda::doorbell`) exits after this long without a batch, so an idle fabric
+    /// holds no SM: the next small batch launches it again. 0 turns the doorbell off. Default
+    /// 500 µs; at most 1 s.
+    pub cuda_doorbell_idle: Duration,
     /// cuda-ipc pushes run on the peer's GPU (which then pulls from ours) when this process can
     /// use that GPU, so each GPU pulls and both link directions carry data at once.
     pub cuda_push_by_peer: bool,
@@ -97,7 +109,8 @@ impl Default for EngineConfig {
             max_batch_ops: 1 << 20,
             cuda_path: CudaPath::Auto,
             cuda_spin: false,
-            spin_wait: Duration::ZERO,
+            spin_wait: Duration::from_micros(50),
+            cuda_doorbell_idle: Duration::from_micros(500),
             cuda_push_by_peer: true,
             observer: None,
             staging_bytes: 2 * (4 << 20),
@@ -172,6 +185,18 @@ impl EngineConfig {
                 self.max_unauthenticated.to_string(),
                 "must be 1..=max_connections",
             );
+        }
+        for (field, t, most) in [
+            ("spin_wait", self.spin_wait, Duration::from_secs(1)),
+            (
+                "cuda_doorbell_idle",
+                self.cuda_doorbell_idle,
+                Duration::from_secs(1),
+            ),
+        ] {
+            if t > most {
+                return bad(field, format!("{t:?}"), "must be at most 1 s");
+            }
         }
         if self.staging_bytes != 0 && self.staging_bytes < crate::transport::staging::STAGING_MIN {
             return bad(

@@ -54,6 +54,43 @@ pub enum Error {
     #[error("batch is empty")]
     EmptyBatch,
 
+    /// A block-table plane that cannot be used as given (`field` names the part of it).
+    #[error("plane {plane}: {field} = {value}: {reason}")]
+    InvalidPlane {
+        plane: usize,
+        field: &'static str,
+        value: u64,
+        reason: &'static str,
+    },
+
+    #[error(
+        "plane {plane}: {side} block {block} at offset {offset} + len {len} > region {region} length {region_len}"
+    )]
+    PlaneOutOfBounds {
+        plane: usize,
+        side: Side,
+        region: RegionId,
+        block: u32,
+        offset: u64,
+        len: u64,
+        region_len: u64,
+    },
+
+    #[error("blocks {first} and {second} of the table both write {side} block {block}")]
+    DuplicateBlock {
+        first: usize,
+        second: usize,
+        side: Side,
+        block: u32,
+    },
+
+    #[error("planes {first} and {second} may write the same bytes of destination region {region}")]
+    OverlappingPlanes {
+        first: usize,
+        second: usize,
+        region: RegionId,
+    },
+
     #[error("batch too large: {field} = {value}, limit {limit}")]
     BatchTooLarge {
         field: &'static str,
@@ -222,6 +259,10 @@ pub enum ErrorKind {
     RangeOverflow,
     OverlappingDestination,
     EmptyBatch,
+    InvalidPlane,
+    PlaneOutOfBounds,
+    DuplicateBlock,
+    OverlappingPlanes,
     BatchTooLarge,
     ProtocolVersion,
     AuthFailed,
@@ -255,7 +296,7 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, in declaration order.
-    pub const ALL: [ErrorKind; 36] = [
+    pub const ALL: [ErrorKind; 40] = [
         ErrorKind::UnknownRegion,
         ErrorKind::WrongKey,
         ErrorKind::OutOfBounds,
@@ -263,6 +304,10 @@ impl ErrorKind {
         ErrorKind::RangeOverflow,
         ErrorKind::OverlappingDestination,
         ErrorKind::EmptyBatch,
+        ErrorKind::InvalidPlane,
+        ErrorKind::PlaneOutOfBounds,
+        ErrorKind::DuplicateBlock,
+        ErrorKind::OverlappingPlanes,
         ErrorKind::BatchTooLarge,
         ErrorKind::ProtocolVersion,
         ErrorKind::AuthFailed,
@@ -304,6 +349,10 @@ impl ErrorKind {
             ErrorKind::RangeOverflow => "range_overflow",
             ErrorKind::OverlappingDestination => "overlapping_destination",
             ErrorKind::EmptyBatch => "empty_batch",
+            ErrorKind::InvalidPlane => "invalid_plane",
+            ErrorKind::PlaneOutOfBounds => "plane_out_of_bounds",
+            ErrorKind::DuplicateBlock => "duplicate_block",
+            ErrorKind::OverlappingPlanes => "overlapping_planes",
             ErrorKind::BatchTooLarge => "batch_too_large",
             ErrorKind::ProtocolVersion => "protocol_version",
             ErrorKind::AuthFailed => "unauthenticated",
@@ -397,6 +446,10 @@ impl Error {
             Error::RangeOverflow { .. } => ErrorKind::RangeOverflow,
             Error::OverlappingDestination { .. } => ErrorKind::OverlappingDestination,
             Error::EmptyBatch => ErrorKind::EmptyBatch,
+            Error::InvalidPlane { .. } => ErrorKind::InvalidPlane,
+            Error::PlaneOutOfBounds { .. } => ErrorKind::PlaneOutOfBounds,
+            Error::DuplicateBlock { .. } => ErrorKind::DuplicateBlock,
+            Error::OverlappingPlanes { .. } => ErrorKind::OverlappingPlanes,
             Error::BatchTooLarge { .. } => ErrorKind::BatchTooLarge,
             Error::ProtocolVersion { .. } => ErrorKind::ProtocolVersion,
             Error::AuthFailed { .. } => ErrorKind::AuthFailed,

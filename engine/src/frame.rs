@@ -21,19 +21,26 @@
 //!
 //! A batch chunk travels as one manifest (all its block ops, 32 bytes each) followed by the raw
 //! payload of every op back to back, so the receiver knows every destination before the first
-//! payload byte arrives and reads straight into them with few syscalls. The decoder never
+//! payload byte arrives and reads straight into them with few syscalls. A block-table chunk
+//! travels as a table manifest instead (the target's side of its planes, 40 bytes each, and its
+//! block ids, 4 bytes each; see [`TableHead`]), its payload in element order. The decoder never
 //! allocates from a length it has not bounded first.
 
 use serde::{Deserialize, Serialize};
 
 pub use crate::frame_error::{FrameError, FrameKind, MAGIC, MAX_CONTROL_LEN, MAX_ENTRIES};
 use crate::region_id::{AccessKey, RegionId};
+pub use crate::table_manifest::{
+    TABLE_HEAD_LEN, TABLE_PLANE_LEN, TABLE_VERSION, TableHead, TableManifest, TablePlane,
+    decode_table, encode_table,
+};
 
 pub const HEADER_LEN: usize = 32;
 pub const ENTRY_LEN: usize = 32;
 /// Wire protocol version, checked in the handshake. 2: authenticated handshake (Challenge,
 /// proofs, segment keys as MACs, region keys only to the segment's key holders), KeepAlive.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: table manifests (`WriteTable`, `ReadTable`).
+pub const PROTOCOL_VERSION: u32 = 3;
 /// The most a target reads of a Hello, before the initiator has proved anything.
 pub const MAX_HELLO_LEN: u64 = 16 << 10;
 
@@ -123,8 +130,7 @@ impl Header {
         }
         let kind = FrameKind::from_u8(b[4]).ok_or(FrameError::UnknownKind { kind: b[4] })?;
         let flags = b[5];
-        let manifest = matches!(kind, FrameKind::WriteManifest | FrameKind::ReadManifest);
-        if flags & !KNOWN_FLAGS != 0 || (flags & FLAG_TRACE != 0 && !manifest) {
+        if flags & !KNOWN_FLAGS != 0 || (flags & FLAG_TRACE != 0 && !kind.is_manifest()) {
             return Err(FrameError::UnknownFlags { kind, flags });
         }
         if b[6..8] != [0, 0] || b[20..24] != [0, 0, 0, 0] {

@@ -19,6 +19,9 @@ pub enum FrameKind {
     MapReply = 8,
     Challenge = 9,
     KeepAlive = 10,
+    /// A write chunk given as a block table (see [`crate::frame`]'s table manifest).
+    WriteTable = 11,
+    ReadTable = 12,
 }
 
 impl FrameKind {
@@ -34,6 +37,8 @@ impl FrameKind {
             8 => FrameKind::MapReply,
             9 => FrameKind::Challenge,
             10 => FrameKind::KeepAlive,
+            11 => FrameKind::WriteTable,
+            12 => FrameKind::ReadTable,
             _ => return None,
         })
     }
@@ -42,7 +47,22 @@ impl FrameKind {
     pub(crate) fn is_control(self) -> bool {
         !matches!(
             self,
-            FrameKind::WriteManifest | FrameKind::ReadManifest | FrameKind::ReadData
+            FrameKind::WriteManifest
+                | FrameKind::ReadManifest
+                | FrameKind::WriteTable
+                | FrameKind::ReadTable
+                | FrameKind::ReadData
+        )
+    }
+
+    /// Kinds that open a chunk (and may carry a trace context).
+    pub(crate) fn is_manifest(self) -> bool {
+        matches!(
+            self,
+            FrameKind::WriteManifest
+                | FrameKind::ReadManifest
+                | FrameKind::WriteTable
+                | FrameKind::ReadTable
         )
     }
 }
@@ -82,4 +102,18 @@ pub enum FrameError {
     },
     #[error("invalid {what} body: {reason}")]
     Body { what: &'static str, reason: String },
+    #[error("table manifest version {version} is not one this engine reads")]
+    TableVersion { version: u8 },
+    #[error("table manifest {field} = {value}, must be 1..={limit}")]
+    TableSize {
+        field: &'static str,
+        value: u32,
+        limit: u32,
+    },
+    #[error("table manifest of {planes} planes × {blocks} blocks, but the header counts {count}")]
+    TableCount {
+        planes: u32,
+        blocks: u32,
+        count: u32,
+    },
 }

@@ -5,7 +5,7 @@
 use std::sync::{Arc, RwLock};
 
 use crate::batch::{Batch, Job};
-use crate::engine::{Engine, EngineConfig, Known, Peer};
+use crate::engine::{self, Engine, EngineConfig, Known, Peer};
 use crate::error::{Error, Result};
 use crate::frame::Entry;
 use crate::region::{AccessKey, Location, Region, RegionId};
@@ -106,7 +106,11 @@ impl Planner {
     /// Plans `batch` on peer `peer` (the index into `kinds`) and returns its pieces, each
     /// checked against the region it names.
     pub fn plan(&self, peer: usize, batch: Batch) -> Result<Vec<Planned>> {
-        let (pieces, _handle) = self.peers[peer].plan(batch)?;
+        let (planned, _handle) = self.peers[peer].plan(batch)?;
+        let pieces = match planned {
+            engine::Planned::Pieces(p) => p,
+            engine::Planned::Table(t) => t.pieces(),
+        };
         Ok(pieces
             .iter()
             .map(|p| {

@@ -5,6 +5,7 @@
 
 pub mod auth;
 mod batch;
+mod block_table;
 pub mod cuda;
 mod engine;
 mod engine_config;
@@ -23,11 +24,13 @@ mod region;
 mod region_id;
 mod region_table;
 mod segment;
+mod table_manifest;
 pub mod transport;
 mod transport_kind;
 
 pub use auth::DataSecret;
-pub use batch::{Batch, BatchHandle, BatchResult, Canceller};
+pub use batch::{Batch, BatchHandle, BatchOps, BatchResult, Canceller};
+pub use block_table::{BlockPair, BlockTable, MAX_PLANES, Plane, PlaneSide, TableShape};
 pub use cuda::{CudaExport, CudaPath, IpcHandle};
 pub use engine::{Engine, EngineConfig, Peer, ServeObserver, ServedChunk};
 pub use error::{Error, ErrorKind, RemoteError, Result, Side};

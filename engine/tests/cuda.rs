@@ -959,3 +959,349 @@ async fn latency_mode_small_batches_over_cuda_ipc_are_exact() {
         "the other process's GPU region differs from its mirror"
     );
 }
+
+// ---- Block tables over cuda-ipc, and an idle link ----
+
+use kvfabric_engine::{BlockPair, BlockTable, CudaPath, Plane, PlaneSide, Side};
+
+/// A random table whose destination planes lie in `dest` (start, len) of their region, each in
+/// an area of its own (unaligned bases and strides, block bytes from 1 to several 64 KiB kernel
+/// pieces), and whose sources lie anywhere in a region of `src_len` bytes (ids drawn freely).
+/// Small tables (16 elements or fewer, the doorbell's and inline launch's) come often.
+/// Returns (source side, destination side, block bytes) per plane and (source, destination)
+/// id pairs.
+#[allow(clippy::type_complexity)]
+fn random_gpu_table(
+    rng: &mut SmallRng,
+    dest: (u64, u64),
+    src_len: u64,
+) -> (Vec<((u64, u64), (u64, u64), u64)>, Vec<(u32, u32)>) {
+    let (planes, blocks) = if rng.random_bool(0.3) {
+        (rng.random_range(1..=4u64), rng.random_range(1..=4u64))
+    } else {
+        (rng.random_range(1..=64u64), rng.random_range(1..=64u64))
+    };
+    let area = dest.1 / planes;
+    let most = (area / blocks - 64).min(200 << 10);
+    let lens: Vec<u64> = (0..planes)
+        .map(|_| match rng.random_range(0..3) {
+            0 => 4096.min(most),
+            1 => rng.random_range(1..=most.min(100)),
+            _ => rng.random_range(1..=most),
+        })
+        .collect();
+    let dst_stride: Vec<u64> = lens.iter().map(|l| l + rng.random_range(0..64)).collect();
+    let room = dst_stride.iter().map(|s| (area - 16) / s).min().unwrap();
+    let mut free: Vec<u32> = (0..room.min(1 << 20) as u32).collect();
+    for i in 0..blocks as usize {
+        let j = rng.random_range(i..free.len());
+        free.swap(i, j);
+    }
+    let sources = rng.random_range(1..=blocks as u32 * 2);
+    let ids: Vec<(u32, u32)> = free[..blocks as usize]
+        .iter()
+        .map(|&d| (rng.random_range(0..sources), d))
+        .collect();
+    let planes = (0..planes as usize)
+        .map(|p| {
+            let len = lens[p];
+            let dst_base = dest.0 + p as u64 * area + rng.random_range(0..16);
+            let src_stride = rng.random_range(0..=(src_len - len) / u64::from(sources));
+            let span = u64::from(sources - 1) * src_stride + len;
+            let src_base = rng.random_range(0..=src_len - span);
+            ((src_base, src_stride), (dst_base, dst_stride[p]), len)
+        })
+        .collect();
+    (planes, ids)
+}
+
+/// Block tables across processes over cuda-ipc, against a GPU region another process exports:
+/// random plane layouts with unaligned bases and strides, both directions, four batches in
+/// flight (two waited for on their own threads, two submitted), on the table kernel, through
+/// the doorbell and inline launches (small tables), and on the copy engines; with the default
+/// completion and with `spin_wait` 0. Every byte of both regions ends as host mirrors say. A
+/// table whose largest block passes what the exporter really mapped is refused, typed, and
+/// writes nothing, whatever the peer's descriptor claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_tables_over_cuda_ipc_are_exact() {
+    const NAME: &str = "block_tables_over_cuda_ipc_are_exact";
+    const LEN: usize = 32 << 20;
+    const SEED: u64 = 0x7AB1E;
+    if std::env::var_os(IPC_CHILD).is_some() {
+        let device = cuda::device_count().unwrap() - 1;
+        let engine = Engine::new(common::config("table-child")).unwrap();
+        let r = engine.alloc_cuda(device, LEN as u64).unwrap();
+        // Word w of the region is pattern_word(SEED, w, 0).
+        cuda::fill(&r, 8, SEED).unwrap();
+        let export = r.cuda_export().expect("cuMemAlloc memory exports");
+        announce_and_wait(&export, device);
+    }
+    let Some(_) = gpus(NAME) else {
+        return;
+    };
+    let (_child, export, device) = spawn_exporter(NAME);
+    let device: u32 = device.parse().unwrap();
+    let mut remote_mirror: Vec<u8> = (0..LEN as u64 / 8)
+        .flat_map(|w| cuda::pattern_word(SEED, w, 0).to_le_bytes())
+        .collect();
+    let mut rng = SmallRng::seed_from_u64(16);
+    let modes = [
+        (CudaPath::Sm, None),
+        (CudaPath::Sm, Some(Duration::ZERO)),
+        (CudaPath::Ce, None),
+    ];
+    for (path, spin_wait) in modes {
+        let defaults = common::config("table-parent");
+        let engine = Engine::new(EngineConfig {
+            cuda_path: path,
+            spin_wait: spin_wait.unwrap_or(defaults.spin_wait),
+            ..defaults
+        })
+        .unwrap();
+        let mut local = Mirrored::new(&engine, Location::Cuda { device: 0 }, LEN, rng.random());
+        let mut d = engine.descriptor();
+        d.name = "table-child".into();
+        d.regions = vec![RegionDesc {
+            id: RegionId(7),
+            len: LEN as u64,
+            location: Location::Cuda { device },
+            key: AccessKey(5),
+            shareable: false,
+            ipc: Some(export),
+            rdma: Vec::new(),
+        }];
+        let secret = kvfabric_engine::DataSecret::random();
+        let peer = Arc::new(
+            engine
+                .connect(&d, &secret, Preference::Only(TransportKind::CudaIpc), None)
+                .await
+                .unwrap(),
+        );
+        let quarter = (LEN / 4) as u64;
+        for round in 0..6 {
+            for opcode in [Opcode::Write, Opcode::Read] {
+                let mut tables = Vec::new();
+                for k in 0..4u64 {
+                    let (planes, ids) =
+                        random_gpu_table(&mut rng, (k * quarter, quarter), LEN as u64);
+                    // Read: the destination is local.
+                    let (src_mirror, dst_mirror) = match opcode {
+                        Opcode::Read => (&remote_mirror, &mut local.mirror),
+                        Opcode::Write => (&local.mirror, &mut remote_mirror),
+                    };
+                    let src_copy = src_mirror.clone();
+                    for &((sb, ss), (db, ds), len) in &planes {
+                        for &(s, dd) in &ids {
+                            let so = (sb + u64::from(s) * ss) as usize;
+                            let d_o = (db + u64::from(dd) * ds) as usize;
+                            let n = len as usize;
+                            dst_mirror[d_o..d_o + n].copy_from_slice(&src_copy[so..so + n]);
+                        }
+                    }
+                    let side = |region, (base, stride)| PlaneSide {
+                        region,
+                        base,
+                        stride,
+                    };
+                    let table = BlockTable {
+                        planes: planes
+                            .iter()
+                            .map(|&(src, dst, len)| {
+                                let (l, r) = match opcode {
+                                    Opcode::Read => (dst, src),
+                                    Opcode::Write => (src, dst),
+                                };
+                                Plane {
+                                    local: side(local.region.id(), l),
+                                    remote: side(RegionId(7), r),
+                                    block_bytes: len,
+                                }
+                            })
+                            .collect(),
+                        blocks: ids
+                            .iter()
+                            .map(|&(s, dd)| match opcode {
+                                Opcode::Read => BlockPair {
+                                    local: dd,
+                                    remote: s,
+                                },
+                                Opcode::Write => BlockPair {
+                                    local: s,
+                                    remote: dd,
+                                },
+                            })
+                            .collect(),
+                    };
+                    tables.push(table);
+                }
+                let mut waits = Vec::new();
+                let mut threads = Vec::new();
+                for (k, table) in tables.into_iter().enumerate() {
+                    let batch = Batch::table(opcode, table);
+                    if k % 2 == 0 {
+                        let peer = peer.clone();
+                        threads.push(tokio::task::spawn_blocking(move || peer.run(batch)));
+                    } else {
+                        waits.push(peer.submit(batch).unwrap());
+                    }
+                }
+                for h in waits {
+                    h.wait()
+                        .await
+                        .unwrap_or_else(|e| panic!("{path} round {round} {opcode}: {e}"));
+                }
+                for t in threads {
+                    t.await
+                        .unwrap()
+                        .unwrap_or_else(|e| panic!("{path} round {round} {opcode}: {e}"));
+                }
+            }
+        }
+        local.assert_exact(&format!("{path}: the local GPU region after the tables"));
+        // The remote region, read back whole.
+        let scratch = engine.alloc_cuda(0, LEN as u64).unwrap();
+        let whole = Batch::read(vec![BlockOp {
+            local_region: scratch.id(),
+            local_offset: 0,
+            remote_region: RegionId(7),
+            remote_offset: 0,
+            len: LEN as u64,
+        }]);
+        peer.submit(whole).unwrap().wait().await.unwrap();
+        let mut back = vec![0u8; LEN];
+        cuda::copy_to_host(&scratch, 0, &mut back).unwrap();
+        assert!(
+            back == remote_mirror,
+            "{path}: the other process's GPU region differs from its mirror"
+        );
+        // The peer's descriptor now claims twice what it exported (the mapping stays): the
+        // mapping, not the claim, bounds the table.
+        let mut liar = d.clone();
+        liar.regions[0].len = 2 * LEN as u64;
+        peer.set_descriptor(liar);
+        let lied_to = &peer;
+        let past = BlockTable {
+            planes: vec![Plane {
+                local: PlaneSide {
+                    region: local.region.id(),
+                    base: 0,
+                    stride: 4096,
+                },
+                remote: PlaneSide {
+                    region: RegionId(7),
+                    base: 0,
+                    stride: 4096,
+                },
+                block_bytes: 4096,
+            }],
+            blocks: (0..64)
+                .map(|i| BlockPair {
+                    local: i,
+                    remote: if i == 63 { (LEN / 4096) as u32 } else { i },
+                })
+                .collect(),
+        };
+        let e = lied_to
+            .submit(Batch::table(Opcode::Read, past))
+            .unwrap()
+            .wait()
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::PlaneOutOfBounds {
+                    plane: 0,
+                    side: Side::Remote,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        local.assert_exact(&format!("{path}: after the refused table"));
+    }
+}
+
+/// With the default settings a lone small op over cuda-ipc is waited for by its caller (the
+/// doorbell kernel serving it), and 1 ms after the last one no engine thread runs and no kernel
+/// stays resident. The doorbell is seen resident between ops of a burst, so its absence after
+/// the pause is measured, not assumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_cuda_ipc_link_holds_no_core_and_no_sm() {
+    const NAME: &str = "an_idle_cuda_ipc_link_holds_no_core_and_no_sm";
+    const LEN: usize = 4 << 20;
+    if std::env::var_os(IPC_CHILD).is_some() {
+        let device = cuda::device_count().unwrap() - 1;
+        let engine = Engine::new(common::config("idle-child")).unwrap();
+        let r = engine.alloc_cuda(device, LEN as u64).unwrap();
+        let export = r.cuda_export().expect("cuMemAlloc memory exports");
+        announce_and_wait(&export, device);
+    }
+    let Some(_) = gpus(NAME) else {
+        return;
+    };
+    let (_child, export, device) = spawn_exporter(NAME);
+    let device: u32 = device.parse().unwrap();
+    // The defaults, as a user gets them.
+    let engine = Engine::new(EngineConfig {
+        name: "idle-parent".into(),
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let local = engine.alloc_cuda(0, LEN as u64).unwrap();
+    let mut d = engine.descriptor();
+    d.name = "idle-child".into();
+    d.regions = vec![RegionDesc {
+        id: RegionId(7),
+        len: LEN as u64,
+        location: Location::Cuda { device },
+        key: AccessKey(5),
+        shareable: false,
+        ipc: Some(export),
+        rdma: Vec::new(),
+    }];
+    let peer = Arc::new(
+        engine
+            .connect(
+                &d,
+                &kvfabric_engine::DataSecret::random(),
+                Preference::Only(TransportKind::CudaIpc),
+                None,
+            )
+            .await
+            .unwrap(),
+    );
+    let seen_resident = tokio::task::spawn_blocking({
+        let peer = peer.clone();
+        let local = local.id();
+        move || {
+            let mut seen = 0;
+            for i in 0..500u64 {
+                let op = BlockOp {
+                    local_region: local,
+                    local_offset: (i % 1024) * 4096,
+                    remote_region: RegionId(7),
+                    remote_offset: ((i * 7) % 1024) * 4096,
+                    len: 4096,
+                };
+                peer.run(Batch::read(vec![op])).unwrap();
+                seen += usize::from(peer.stats().resident_kernels > 0);
+            }
+            seen
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        seen_resident > 0,
+        "the doorbell was never resident during the burst: the check below would say nothing"
+    );
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let spinning = tokio::task::spawn_blocking(|| {
+        common::spinning_threads("kvf-", 20, Duration::from_micros(500))
+    })
+    .await
+    .unwrap();
+    assert!(spinning.is_empty(), "threads still running: {spinning:?}");
+    assert_eq!(peer.stats().resident_kernels, 0, "a kernel stayed resident");
+}

@@ -21,7 +21,7 @@ fn committed_ptx_was_generated_from_the_current_copy_cu() {
         hash,
         "copy.ptx is stale: run scripts/gen-ptx.sh and commit engine/src/cuda/copy.ptx"
     );
-    for kernel in ["kvf_copy", "kvf_fill", "kvf_verify"] {
+    for kernel in ["kvf_copy", "kvf_copy_table", "kvf_fill", "kvf_verify"] {
         assert!(
             PTX.contains(&format!(".entry {kernel}(")),
             "copy.ptx lacks {kernel}"

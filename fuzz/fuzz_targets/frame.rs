@@ -1,5 +1,6 @@
 //! Arbitrary bytes through the frame decoder: it must return a typed error or a frame that
-//! re-encodes to the same header, and never panic or allocate from an unchecked length. Then the
+//! re-encodes to the same header (and a table manifest to the same body), and never panic or
+//! allocate from an unchecked length. Then the
 //! same bytes as a caller's side of the handshake: never admitted (the target's nonce is fresh,
 //! so no input can carry its proof), and answered with nothing but the challenge and the one
 //! generic refusal.
@@ -7,11 +8,32 @@
 
 use kvfabric_engine::RemoteError;
 use kvfabric_engine::frame::{
-    Challenge, ENTRY_LEN, Entry, FLAG_ERROR, FrameKind, HEADER_LEN, Header, Hello, Welcome,
-    decode_crcs, decode_json, decode_manifest,
+    Challenge, ENTRY_LEN, Entry, FLAG_ERROR, FLAG_TRACE, FrameKind, HEADER_LEN, Header, Hello,
+    TABLE_HEAD_LEN, TRACE_LEN, TableHead, Welcome, decode_crcs, decode_json, decode_manifest,
+    decode_table, encode_table,
 };
 use kvfabric_engine::fuzzing::serve_handshake;
 use libfuzzer_sys::fuzz_target;
+
+/// A table manifest decodes to a typed error, or to planes and ids consistent with the header
+/// that re-encode to the same bytes.
+fn table(h: &Header, body: &[u8]) {
+    let at = if h.has(FLAG_TRACE) { TRACE_LEN } else { 0 };
+    let Some(head) = body.get(at..at + TABLE_HEAD_LEN) else {
+        return;
+    };
+    let Ok(head) = TableHead::decode(h, head.try_into().unwrap()) else {
+        return;
+    };
+    if let Ok(t) = decode_table(h, &head, &body[at + TABLE_HEAD_LEN..]) {
+        assert_eq!(t.planes.len() * t.blocks.len(), h.count as usize);
+        let row: u64 = t.planes.iter().map(|p| p.block_bytes).sum();
+        assert_eq!(row * t.blocks.len() as u64, h.len);
+        let mut again = Vec::new();
+        encode_table(&t.planes, t.blocks.iter().copied(), &mut again);
+        assert_eq!(again, body[at..at + again.len()]);
+    }
+}
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(h) = Header::decode(data) {
@@ -27,6 +49,7 @@ fuzz_target!(|data: &[u8]| {
                     assert_eq!(entries.iter().map(|e| e.len).sum::<u64>(), h.len);
                 }
             }
+            FrameKind::WriteTable | FrameKind::ReadTable => table(&h, body),
             FrameKind::ReadData => {
                 let _ = decode_crcs(h.count, body);
             }

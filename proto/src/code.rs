@@ -15,6 +15,10 @@ pub fn engine_code(e: &kvfabric_engine::Error) -> Code {
         | K::RangeOverflow
         | K::OverlappingDestination
         | K::EmptyBatch
+        | K::InvalidPlane
+        | K::PlaneOutOfBounds
+        | K::DuplicateBlock
+        | K::OverlappingPlanes
         | K::BatchTooLarge
         | K::InvalidConfig
         | K::InvalidIpcHandle
@@ -59,7 +63,11 @@ fn remote_code(e: &kvfabric_engine::Error) -> Code {
             | K::ZeroLength
             | K::BatchTooLarge
             | K::RangeOverflow
-            | K::OverlappingDestination,
+            | K::OverlappingDestination
+            | K::InvalidPlane
+            | K::PlaneOutOfBounds
+            | K::DuplicateBlock
+            | K::OverlappingPlanes,
         ) => Code::InvalidArgument,
         Some(K::Timeout) => Code::DeadlineExceeded,
         Some(K::Checksum) => Code::DataLoss,

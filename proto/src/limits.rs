@@ -8,14 +8,25 @@ pub const DEFAULT_MAX_BATCH_OPS: usize = 65_536;
 /// varints of up to 10 bytes, plus the repeated field's tag and length.
 pub const MAX_ENCODED_OP_BYTES: usize = 2 + 5 * 11;
 
+/// Most planes one block table may have (the engine's `MAX_PLANES`).
+pub const MAX_TABLE_PLANES: usize = 4096;
+
+/// Bytes of one encoded block-table plane, at most: two sides of three fields, the block bytes,
+/// with tags, lengths and varints of up to 10 bytes. (A block-id pair takes at most 10 bytes of
+/// packed varints, less than an op: a table's ids fit in the ops' allowance.)
+pub const MAX_ENCODED_PLANE_BYTES: usize = 80;
+
 /// Room in a local API request beside its ops: names, keys, options, registration specs.
 pub const LOCAL_REQUEST_OVERHEAD_BYTES: usize = 64 << 10;
 
 /// Largest `Submit` the local API accepts from an agent that takes `max_batch_ops` ops per
-/// batch: every op at its worst encoding plus the rest of the request (65 536 ops: 3.6 MiB).
+/// batch: every op at its worst encoding, or a block table of as many ids and its most planes,
+/// plus the rest of the request (65 536 ops: 3.9 MiB).
 pub fn max_submit_bytes(max_batch_ops: usize) -> usize {
+    let planes = max_batch_ops.min(MAX_TABLE_PLANES);
     max_batch_ops
         .saturating_mul(MAX_ENCODED_OP_BYTES)
+        .saturating_add(planes * MAX_ENCODED_PLANE_BYTES)
         .saturating_add(LOCAL_REQUEST_OVERHEAD_BYTES)
 }
 
@@ -47,6 +58,12 @@ pub fn echo(value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(feature = "engine")]
+    #[test]
+    fn the_plane_limit_is_the_engines() {
+        assert_eq!(MAX_TABLE_PLANES, kvfabric_engine::MAX_PLANES);
+    }
 
     #[test]
     fn echo_keeps_short_values_and_cuts_long_ones() {

@@ -7,14 +7,15 @@
 //! the request's metadata.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tonic::metadata::MetadataValue;
 
-use kvfabric_client::pb::{
-    self, DeregisterSegmentRequest, StatusRequest, SubmitRequest, WatchSegmentsRequest,
-    segment_event,
-};
+pub use kvfabric_client::pb;
 pub use kvfabric_client::pb::{BlockOp, RegionInfo, SegmentEvent, SubmitResponse};
+use kvfabric_client::pb::{
+    DeregisterSegmentRequest, StatusRequest, SubmitRequest, WatchSegmentsRequest, segment_event,
+};
 use kvfabric_client::{Client, Memory};
 pub use kvfabric_client::{CudaRegion as CudaMemory, HostMemory};
 use kvfabric_proto::contract::socket;
@@ -41,9 +42,38 @@ pub struct Batch {
     pub remote_segment: String,
     pub remote_key: u64,
     pub write: bool,
-    pub ops: Vec<BlockOp>,
+    pub ops: Arc<Work>,
     pub timeout_ms: u64,
     pub checksum: bool,
+}
+
+/// What a batch moves: an op list, or a block table the agent takes as it is.
+#[derive(Debug)]
+pub enum Work {
+    List(Vec<BlockOp>),
+    Table(pb::BlockTable),
+}
+
+impl Work {
+    /// Block ops (a table: planes × blocks).
+    pub fn len(&self) -> usize {
+        match self {
+            Work::List(ops) => ops.len(),
+            Work::Table(t) => t.planes.len().saturating_mul(t.local_blocks.len()),
+        }
+    }
+
+    /// Bytes moved (saturating).
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Work::List(ops) => ops.iter().map(|o| o.len).fold(0, u64::saturating_add),
+            Work::Table(t) => t
+                .planes
+                .iter()
+                .map(|p| p.block_bytes.saturating_mul(t.local_blocks.len() as u64))
+                .fold(0, u64::saturating_add),
+        }
+    }
 }
 
 /// The caller's trace context, W3C headers as Python's propagator wrote them.
@@ -119,9 +149,16 @@ impl Agent {
             remote_segment: batch.remote_segment,
             remote_key: batch.remote_key,
             opcode: opcode as i32,
-            ops: batch.ops,
+            ops: match batch.ops.as_ref() {
+                Work::List(ops) => ops.clone(),
+                Work::Table(_) => Vec::new(),
+            },
             timeout_ms: batch.timeout_ms,
             checksum: batch.checksum,
+            table: match batch.ops.as_ref() {
+                Work::Table(t) => Some(t.clone()),
+                Work::List(_) => None,
+            },
         });
         for (name, value) in [
             ("traceparent", &trace.traceparent),

@@ -1,11 +1,12 @@
-//! Batches from arrays: five index columns, or block tables over planes. Both are expanded into
-//! the op list here, so a 2048-block batch costs no Python loop.
+//! Batches from arrays: five index columns (expanded into the op list here, so a 2048-block
+//! batch costs no Python loop), or block tables over planes (sent as they are: the agent and the
+//! engine take them natively).
 
 use numpy::{PyArray1, dtype};
 use numpy::{PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::agent::BlockOp;
+use crate::agent::{BlockOp, pb};
 use crate::error::{Error, Result};
 
 /// Where one plane of blocks lies in a segment: block `i` is `block_bytes` at
@@ -111,15 +112,16 @@ pub fn from_columns(
         .collect())
 }
 
-/// The op list of a block table: for each plane pair, block `local_ids[k]` of the local plane
-/// and `remote_ids[k]` of the remote one. Plane-major, so runs of consecutive ids stay adjacent
-/// for the agent to coalesce.
+/// A block table as the agent takes it, unexpanded: for each plane pair, block `local_ids[k]`
+/// of the local plane moves with `remote_ids[k]` of the remote one. The agent checks it per
+/// plane (bounds of the largest ids, destinations apart) and the engine expands it where the
+/// copy happens (on a GPU, the kernel itself), so a 2048-block batch costs its planes and ids.
 pub fn from_planes(
     local: &[Plane],
     remote: &[Plane],
     local_ids: &[u64],
     remote_ids: &[u64],
-) -> Result<Vec<BlockOp>> {
+) -> Result<pb::BlockTable> {
     if local.is_empty() || local.len() != remote.len() {
         return Err(Error::invalid(
             "remote_planes",
@@ -137,21 +139,22 @@ pub fn from_planes(
             format!("needs one id per local block id ({})", local_ids.len()),
         ));
     }
-    let offset = |side: &str, p: &Plane, k: usize, id: u64| -> Result<u64> {
-        id.checked_mul(p.stride)
-            .and_then(|o| o.checked_add(p.base))
-            .ok_or_else(|| {
-                Error::invalid(
-                    format!("{side}_block_ids[{k}]"),
-                    id,
-                    format!(
-                        "block offset overflows (base {}, stride {})",
-                        p.base, p.stride
-                    ),
-                )
+    let ids = |side: &str, ids: &[u64]| -> Result<Vec<u32>> {
+        ids.iter()
+            .enumerate()
+            .map(|(k, &id)| {
+                u32::try_from(id).map_err(|_| {
+                    Error::invalid(format!("{side}_block_ids[{k}]"), id, "a block id is < 2^32")
+                })
             })
+            .collect()
     };
-    let mut ops = Vec::with_capacity(local.len() * local_ids.len());
+    let side = |p: &Plane| pb::PlaneSide {
+        region: p.region,
+        base: p.base,
+        stride: p.stride,
+    };
+    let mut planes = Vec::with_capacity(local.len());
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
         if l.block_bytes != r.block_bytes || l.block_bytes == 0 {
             return Err(Error::invalid(
@@ -160,17 +163,17 @@ pub fn from_planes(
                 format!("must equal the local plane's, {} (> 0)", l.block_bytes),
             ));
         }
-        for (k, (&lid, &rid)) in local_ids.iter().zip(remote_ids).enumerate() {
-            ops.push(BlockOp {
-                local_region: l.region,
-                local_offset: offset("local", l, k, lid)?,
-                remote_region: r.region,
-                remote_offset: offset("remote", r, k, rid)?,
-                len: l.block_bytes,
-            });
-        }
+        planes.push(pb::Plane {
+            local: Some(side(l)),
+            remote: Some(side(r)),
+            block_bytes: l.block_bytes,
+        });
     }
-    Ok(ops)
+    Ok(pb::BlockTable {
+        planes,
+        local_blocks: ids("local", local_ids)?,
+        remote_blocks: ids("remote", remote_ids)?,
+    })
 }
 
 #[cfg(test)]
@@ -187,36 +190,36 @@ mod tests {
     }
 
     #[test]
-    fn planes_expand_plane_major_with_each_side_own_layout() {
+    fn planes_become_the_agents_table_with_each_side_own_layout() {
         // Two planes (K at 0, V at 1000) locally; remotely interleaved blocks of a 2x stride.
         let local = [plane(0, 0, 100, 64), plane(0, 1000, 100, 64)];
         let remote = [plane(3, 0, 200, 64), plane(3, 100, 200, 64)];
-        let ops = from_planes(&local, &remote, &[1, 2], &[5, 0]).unwrap();
-        let got: Vec<_> = ops
+        let t = from_planes(&local, &remote, &[1, 2], &[5, 0]).unwrap();
+        let sides: Vec<_> = t
+            .planes
             .iter()
-            .map(|o| {
+            .map(|p| {
+                let (l, r) = (p.local.unwrap(), p.remote.unwrap());
                 (
-                    o.local_region,
-                    o.local_offset,
-                    o.remote_region,
-                    o.remote_offset,
-                    o.len,
+                    l.region,
+                    l.base,
+                    l.stride,
+                    r.region,
+                    r.base,
+                    r.stride,
+                    p.block_bytes,
                 )
             })
             .collect();
         assert_eq!(
-            got,
-            [
-                (0, 100, 3, 1000, 64),
-                (0, 200, 3, 0, 64),
-                (0, 1100, 3, 1100, 64),
-                (0, 1200, 3, 100, 64),
-            ]
+            sides,
+            [(0, 0, 100, 3, 0, 200, 64), (0, 1000, 100, 3, 100, 200, 64)]
         );
+        assert_eq!((t.local_blocks, t.remote_blocks), (vec![1, 2], vec![5, 0]));
     }
 
     #[test]
-    fn planes_refuse_mismatches_and_overflow_naming_the_field() {
+    fn planes_refuse_mismatches_and_wide_ids_naming_the_field() {
         let p = plane(0, 0, 4096, 4096);
         let e = from_planes(&[p], &[], &[0], &[0]).unwrap_err().to_string();
         assert!(e.contains("remote_planes"), "{e}");
@@ -228,22 +231,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("remote_planes[0].block_bytes"), "{e}");
-        let e = from_planes(&[p], &[p], &[0, u64::MAX / 2], &[0, 0])
+        let e = from_planes(&[p], &[p], &[0, 1 << 32], &[0, 0])
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("local_block_ids[1]") && e.contains("overflows"),
+            e.contains("local_block_ids[1]") && e.contains("2^32"),
             "{e}"
         );
-        let big = plane(0, u64::MAX, 1, 1);
-        let e = from_planes(&[p], &[big], &[0], &[1])
+        let zero = plane(0, 0, 1, 0);
+        let e = from_planes(&[zero], &[zero], &[0], &[1])
             .unwrap_err()
             .to_string();
         assert!(e.contains("remote_planes[0].block_bytes"), "{e}");
-        let e = from_planes(&[big], &[big], &[0], &[1])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("remote_block_ids[0]"), "{e}");
     }
 
     #[test]

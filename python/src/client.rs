@@ -8,8 +8,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 
 use crate::agent::{
-    Agent, Batch, BlockOp, CudaMemory, EventStream, RegionInfo, Source, SubmitResponse,
-    TraceHeaders,
+    Agent, Batch, CudaMemory, EventStream, RegionInfo, Source, SubmitResponse, TraceHeaders, Work,
 };
 use crate::batch::{self, Plane};
 use crate::buffer::HostBuffer;
@@ -136,13 +135,14 @@ impl Segment {
     }
 }
 
-/// A batch's op list, expanded once (it can be submitted many times).
+/// A batch's ops, built once (it can be submitted many times): an op list, or a block table.
 #[pyclass(module = "kvfabric._native", frozen)]
 #[derive(Debug)]
-pub struct Ops(pub Arc<Vec<BlockOp>>);
+pub struct Ops(pub Arc<Work>);
 
 #[pymethods]
 impl Ops {
+    /// Block ops (a block table: planes × blocks).
     fn __len__(&self) -> usize {
         self.0.len()
     }
@@ -150,7 +150,7 @@ impl Ops {
     /// Total bytes the ops move.
     #[getter]
     fn nbytes(&self) -> u64 {
-        self.0.iter().map(|o| o.len).fold(0, u64::saturating_add)
+        self.0.bytes()
     }
 }
 
@@ -164,13 +164,13 @@ pub fn columns(
     remote_offsets: &Bound<'_, PyAny>,
     lengths: &Bound<'_, PyAny>,
 ) -> Result<Ops> {
-    Ok(Ops(Arc::new(batch::from_columns(
+    Ok(Ops(Arc::new(Work::List(batch::from_columns(
         &batch::region_indexes(local_regions, "local_regions")?,
         &batch::indexes(local_offsets, "local_offsets")?,
         &batch::region_indexes(remote_regions, "remote_regions")?,
         &batch::indexes(remote_offsets, "remote_offsets")?,
         &batch::indexes(lengths, "lengths")?,
-    )?)))
+    )?))))
 }
 
 fn planes(list: Vec<(u32, u64, u64, u64)>) -> Vec<Plane> {
@@ -186,7 +186,7 @@ fn planes(list: Vec<(u32, u64, u64, u64)>) -> Vec<Plane> {
 
 /// The block-table form: planes are `(region, base, stride, block_bytes)` per side; block
 /// `local_block_ids[k]` of every local plane moves with block `remote_block_ids[k]` of the
-/// matching remote plane.
+/// matching remote plane. Sent to the agent as a table, never expanded into ops.
 #[pyfunction]
 pub fn block_table(
     local_planes: Vec<(u32, u64, u64, u64)>,
@@ -194,12 +194,12 @@ pub fn block_table(
     local_block_ids: &Bound<'_, PyAny>,
     remote_block_ids: &Bound<'_, PyAny>,
 ) -> Result<Ops> {
-    Ok(Ops(Arc::new(batch::from_planes(
+    Ok(Ops(Arc::new(Work::Table(batch::from_planes(
         &planes(local_planes),
         &planes(remote_planes),
         &batch::indexes(local_block_ids, "local_block_ids")?,
         &batch::indexes(remote_block_ids, "remote_block_ids")?,
-    )?)))
+    )?))))
 }
 
 /// What a completed batch reports.
@@ -387,7 +387,7 @@ fn batch_of(
             remote_segment: remote,
             remote_key,
             write,
-            ops: ops.0.as_ref().clone(),
+            ops: ops.0.clone(),
             timeout_ms: t.map_or(0, |t| t.as_millis().max(1) as u64),
             checksum,
         },

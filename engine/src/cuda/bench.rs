@@ -54,11 +54,85 @@ mod imp {
 
     use super::super::CudaPath;
     use super::super::driver::{self, Device, DeviceMem, Event, Stream, check, enable_peer};
-    use super::super::lane::{DeviceCopy, Lane};
+    use super::super::lane::{DeviceCopy, Lane, LaneOptions, Work};
     use super::super::ops::region_device;
+    use super::super::table_list::DevicePlane;
     use super::{DeviceVerdict, SelftestReport};
+    use crate::block_table::BlockPair;
     use crate::error::{Error, Result};
     use crate::region::{Region, RegionId};
+
+    /// One plane of a selftest table: (base, stride) on the source and destination buffers,
+    /// block bytes, and the (source, destination) id pairs every plane of the table shares.
+    struct TestPlane {
+        src: (u64, u64),
+        dst: (u64, u64),
+        len: u64,
+        ids: Vec<(u32, u32)>,
+    }
+
+    /// A random table over two buffers of `size` bytes: destination planes in areas of their
+    /// own (so no two destination blocks meet), unaligned bases and strides, blocks from a byte
+    /// to several 64 KiB kernel pieces; sources anywhere, ids drawn freely.
+    fn random_table(rng: &mut SmallRng, size: u64) -> Vec<TestPlane> {
+        let planes = rng.random_range(1..=40u64);
+        let blocks = rng.random_range(1..=64u64);
+        let area = size / planes;
+        let most = (area / blocks - 64).min(200 << 10);
+        let lens: Vec<u64> = (0..planes)
+            .map(|_| match rng.random_range(0..3) {
+                0 => 4096.min(most),
+                1 => rng.random_range(1..=most.min(100)),
+                _ => rng.random_range(1..=most),
+            })
+            .collect();
+        // Destination ids: distinct, below what each plane's area holds.
+        let dst_stride: Vec<u64> = lens.iter().map(|l| l + rng.random_range(0..64)).collect();
+        // Less the base's offset of up to 15 bytes, so no plane reaches into the next area.
+        let room = dst_stride
+            .iter()
+            .map(|s| (area - 16) / s)
+            .min()
+            .unwrap_or(1);
+        let mut free: Vec<u32> = (0..room.min(1 << 20) as u32).collect();
+        let mut ids = Vec::with_capacity(blocks as usize);
+        for i in 0..blocks as usize {
+            let j = rng.random_range(i..free.len());
+            free.swap(i, j);
+            ids.push(free[i]);
+        }
+        let sources = rng.random_range(1..=blocks as u32 * 2);
+        let pairs: Vec<(u32, u32)> = ids
+            .iter()
+            .map(|&d| (rng.random_range(0..sources), d))
+            .collect();
+        (0..planes as usize)
+            .map(|p| {
+                let len = lens[p];
+                let dst_base = p as u64 * area + rng.random_range(0..16);
+                // A source stride that keeps its largest id inside the buffer.
+                let src_stride = rng.random_range(0..=(size - len) / u64::from(sources));
+                let span = u64::from(sources - 1) * src_stride + len;
+                let src_base = rng.random_range(0..=size - span);
+                TestPlane {
+                    src: (src_base, src_stride),
+                    dst: (dst_base, dst_stride[p]),
+                    len,
+                    ids: pairs.clone(),
+                }
+            })
+            .collect()
+    }
+
+    /// The buffer `from` and the other one, the first to read, the second to write.
+    fn pair_mut(host: &mut [Vec<u8>; 2], from: usize) -> (&Vec<u8>, &mut Vec<u8>) {
+        let (x, y) = host.split_at_mut(1);
+        if from == 0 {
+            (&x[0], &mut y[0])
+        } else {
+            (&y[0], &mut x[0])
+        }
+    }
 
     fn whole_blocks(region: &Region, block_size: u64) -> Result<(u64, u64)> {
         if block_size == 0 || !block_size.is_multiple_of(8) {
@@ -278,7 +352,9 @@ mod imp {
 
     /// Random copies of random lengths at random (mostly unaligned) offsets between two devices, in
     /// both directions and on both paths, each checked byte for byte against the same copies done on
-    /// host mirrors. Runs the transport's own machinery, without IPC (one process).
+    /// host mirrors; and block tables (random planes, unaligned bases and strides, blocks up to
+    /// several kernel pieces) through the table kernel. Runs the transport's own machinery,
+    /// without IPC (one process).
     pub fn selftest(devices: (u32, u32), rounds: usize, seed: u64) -> Result<SelftestReport> {
         const SIZE: usize = 16 << 20;
         let (a, b) = (driver::device(devices.0)?, driver::device(devices.1)?);
@@ -294,22 +370,84 @@ mod imp {
             rng.fill_bytes(h);
             driver::copy_htod(m.device, m.ptr, h)?;
         }
-        let lane = Lane::new(a, false)?;
-        // A spinning lane: small batches of `run_here` go through its doorbell, others are waited
-        // for on the calling thread.
-        let spinning = Lane::new(a, true)?;
+        // The lanes of every completion mode: sleeping (no window, no doorbell), polling (the
+        // default: a window, small batches of `run_here` through the doorbell) and spinning.
+        let lane = Lane::new(
+            a,
+            LaneOptions {
+                spin: false,
+                poll: Duration::ZERO,
+                doorbell_idle: Duration::ZERO,
+            },
+        )?;
+        let polling = Lane::new(
+            a,
+            LaneOptions {
+                spin: false,
+                poll: Duration::from_micros(200),
+                doorbell_idle: Duration::from_micros(500),
+            },
+        )?;
+        let spinning = Lane::new(
+            a,
+            LaneOptions {
+                spin: true,
+                poll: Duration::from_micros(200),
+                doorbell_idle: Duration::from_micros(500),
+            },
+        )?;
         let modes = [
             ("sm", &lane, CudaPath::Sm, false, 48usize),
             ("ce", &lane, CudaPath::Ce, false, 48),
-            ("sm-doorbell", &spinning, CudaPath::Sm, true, 5),
-            ("sm-run-here", &spinning, CudaPath::Sm, true, 48),
+            ("sm-doorbell", &polling, CudaPath::Sm, true, 5),
+            ("sm-run-here", &polling, CudaPath::Sm, true, 48),
+            ("sm-spin-doorbell", &spinning, CudaPath::Sm, true, 5),
+        ];
+        let tables = [
+            ("sm-table", &lane, false),
+            ("sm-table-run-here", &polling, true),
         ];
         let mut report = SelftestReport {
             devices,
             rounds,
             copies: 0,
             bytes: 0,
-            paths: modes.iter().map(|m| m.0.to_string()).collect(),
+            paths: modes
+                .iter()
+                .map(|m| m.0.to_string())
+                .chain(tables.iter().map(|t| t.0.to_string()))
+                .collect(),
+        };
+        let check = |round: usize, path_name: &str, from: usize, to: usize, host: &[Vec<u8>; 2]| {
+            for (i, (m, h)) in mem.iter().zip(host.iter()).enumerate() {
+                let mut back = vec![0u8; SIZE];
+                driver::copy_dtoh(m.device, &mut back, m.ptr)?;
+                if let Some(at) = back.iter().zip(h.iter()).position(|(x, y)| x != y) {
+                    return Err(Error::Cuda {
+                        call: "gpu selftest",
+                        code: format!(
+                            "round {round}, path {path_name}, copy {from}→{to}: buffer {i} \
+                             differs from its host mirror at byte {at}"
+                        ),
+                    });
+                }
+            }
+            Ok(())
+        };
+        let wait = |lane: &Lane, work: Work<'_>, here: bool| -> Result<()> {
+            // Counted small: run_here polls whatever the size (the selftest's batches are).
+            let bytes = 0;
+            let (tx, rx) = mpsc::channel();
+            let done: super::super::lane::Done = Box::new(move |r| {
+                let _ = tx.send(r);
+            });
+            if here {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                lane.run_here(work, bytes, done, Vec::new(), deadline)?;
+            } else {
+                lane.submit(work, done, Vec::new())?;
+            }
+            rx.recv().map_err(|_| Error::ShuttingDown)?
         };
         for round in 0..rounds {
             for &(path_name, lane, path, here, most) in &modes {
@@ -335,13 +473,7 @@ mod imp {
                             dst: mem[to].ptr + dst_off as u64,
                             len: len as u64,
                         });
-                        let (src, dst) = if from == 0 {
-                            let (x, y) = host.split_at_mut(1);
-                            (&x[0], &mut y[0])
-                        } else {
-                            let (x, y) = host.split_at_mut(1);
-                            (&y[0], &mut x[0])
-                        };
+                        let (src, dst) = pair_mut(&mut host, from);
                         dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
                         report.bytes += len as u64;
                     }
@@ -355,31 +487,64 @@ mod imp {
                         vec![&copies[..]]
                     };
                     for batch in batches {
-                        let (tx, rx) = mpsc::channel();
-                        let done: super::super::lane::Done = Box::new(move |r| {
-                            let _ = tx.send(r);
-                        });
-                        if here {
-                            let deadline = Instant::now() + Duration::from_secs(10);
-                            lane.run_here(path, batch, hints, done, Vec::new(), deadline)?;
-                        } else {
-                            lane.submit(path, batch, hints, done, Vec::new())?;
-                        }
-                        rx.recv().map_err(|_| Error::ShuttingDown)??;
+                        let work = Work::Copies {
+                            path,
+                            copies: batch,
+                            hints,
+                        };
+                        wait(lane, work, here)?;
                     }
-                    for (i, (m, h)) in mem.iter().zip(host.iter()).enumerate() {
-                        let mut back = vec![0u8; SIZE];
-                        driver::copy_dtoh(m.device, &mut back, m.ptr)?;
-                        if let Some(at) = back.iter().zip(h.iter()).position(|(x, y)| x != y) {
-                            return Err(Error::Cuda {
-                                call: "gpu selftest",
-                                code: format!(
-                                    "round {round}, path {path_name}, copy {from}→{to}: buffer {i} \
-                                     differs from its host mirror at byte {at}"
-                                ),
-                            });
+                    check(round, path_name, from, to, &host)?;
+                }
+            }
+            for &(path_name, lane, here) in &tables {
+                for (from, to) in [(0usize, 1usize), (1, 0)] {
+                    let table = random_table(&mut rng, SIZE as u64);
+                    // Local is the lane's side in name only: pulls copy remote → local.
+                    let pull = rng.random_bool(0.5);
+                    let (local, remote) = if pull { (to, from) } else { (from, to) };
+                    let planes: Vec<DevicePlane> = table
+                        .iter()
+                        .map(|t| {
+                            let (l, r) = if pull { (t.dst, t.src) } else { (t.src, t.dst) };
+                            DevicePlane {
+                                local: mem[local].ptr + l.0,
+                                local_stride: l.1,
+                                remote: mem[remote].ptr + r.0,
+                                remote_stride: r.1,
+                                len: t.len,
+                            }
+                        })
+                        .collect();
+                    let blocks: Vec<BlockPair> = table[0]
+                        .ids
+                        .iter()
+                        .map(|&(s, d)| {
+                            let (l, r) = if pull { (d, s) } else { (s, d) };
+                            BlockPair {
+                                local: l,
+                                remote: r,
+                            }
+                        })
+                        .collect();
+                    let (src, dst) = pair_mut(&mut host, from);
+                    for t in &table {
+                        for &(s, d) in &t.ids {
+                            let so = (t.src.0 + u64::from(s) * t.src.1) as usize;
+                            let d_o = (t.dst.0 + u64::from(d) * t.dst.1) as usize;
+                            let n = t.len as usize;
+                            dst[d_o..d_o + n].copy_from_slice(&src[so..so + n]);
                         }
+                        report.bytes += t.len * t.ids.len() as u64;
+                        report.copies += t.ids.len();
                     }
+                    let work = Work::Table {
+                        planes: &planes,
+                        blocks: &blocks,
+                        pull,
+                    };
+                    wait(lane, work, here)?;
+                    check(round, path_name, from, to, &host)?;
                 }
             }
         }

@@ -65,6 +65,37 @@ __device__ __forceinline__ void kvf_copy_op(const KvfOp& op, unsigned first, uns
     }
 }
 
+// Copies `len` bytes with `width` threads, this one starting at `first`. When source and
+// destination agree modulo 16: a bytewise head up to the boundary, then 16-byte vectors, then a
+// bytewise tail; otherwise bytewise throughout (correct, slow; KV blocks never do this).
+__device__ __forceinline__ void kvf_copy_span(unsigned long long src, unsigned long long dst,
+                                              unsigned long long len, unsigned first,
+                                              unsigned width)
+{
+    KvfOp op;
+    if (((src ^ dst) & 15ULL) != 0 || len < 16) {
+        op.src = src;
+        op.dst = dst;
+        op.len = len;
+        kvf_copy_op(op, first, width);
+        return;
+    }
+    const unsigned long long head = (16 - (src & 15ULL)) & 15ULL;
+    const unsigned long long body = (len - head) & ~15ULL;
+    const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+    unsigned char* d = reinterpret_cast<unsigned char*>(dst);
+    for (unsigned long long j = first; j < head; j += width) {
+        d[j] = s[j];
+    }
+    for (unsigned long long j = head + body + first; j < len; j += width) {
+        d[j] = s[j];
+    }
+    op.src = src + head;
+    op.dst = dst + head;
+    op.len = body;
+    kvf_copy_op(op, first, width);
+}
+
 // Warps take ops from the list dynamically (one atomicAdd per op), so long and short ops balance
 // across the whole persistent grid.
 extern "C" __global__ void __launch_bounds__(512) kvf_copy(KvfOpList* list)
@@ -81,6 +112,73 @@ extern "C" __global__ void __launch_bounds__(512) kvf_copy(KvfOpList* list)
             return;
         }
         kvf_copy_op(list->ops[i], lane, 32);
+    }
+}
+
+// A block table on the device (table_list.rs builds it): planes and the block-id pairs they all
+// share, so the host uploads ids, not op triples, and this kernel computes every address. Work
+// item i is piece (i - first) % pieces of block (i - first) / pieces of the plane whose `first`
+// is the last one not above i; a piece is at most `piece` bytes.
+struct KvfPlane {
+    unsigned long long local;          // device address of block 0, local side
+    unsigned long long local_stride;
+    unsigned long long remote;         // device address of block 0, remote side
+    unsigned long long remote_stride;
+    unsigned long long len;            // bytes per block
+    unsigned long long pieces;         // work items per block
+    unsigned long long first;          // the plane's first work item
+    unsigned long long pad;
+};
+
+struct KvfTable {
+    unsigned long long next;           // work counter, uploaded as 0
+    unsigned long long items;
+    unsigned long long planes;
+    unsigned long long blocks;
+    unsigned long long pull;           // nonzero: remote → local
+    unsigned long long piece;
+    unsigned long long pad[2];
+    // then KvfPlane[planes], then one word per block: local id (low half), remote id (high)
+};
+
+extern "C" __global__ void __launch_bounds__(512) kvf_copy_table(KvfTable* table)
+{
+    const unsigned lane = threadIdx.x & 31;
+    const KvfPlane* planes = reinterpret_cast<const KvfPlane*>(table + 1);
+    const unsigned long long nplanes = table->planes;
+    const unsigned long long* ids = reinterpret_cast<const unsigned long long*>(planes + nplanes);
+    const unsigned long long items = table->items;
+    const unsigned long long piece = table->piece;
+    const bool pull = table->pull != 0;
+    unsigned long long p = 0;
+    for (;;) {
+        unsigned long long i = 0;
+        if (lane == 0) {
+            i = atomicAdd(&table->next, 1ULL);
+        }
+        i = __shfl_sync(0xffffffffu, i, 0);
+        if (i >= items) {
+            return;
+        }
+        // A warp's items only grow, so its plane only moves forward.
+        while (p + 1 < nplanes && i >= planes[p + 1].first) {
+            ++p;
+        }
+        const KvfPlane& pl = planes[p];
+        const unsigned long long k = i - pl.first;
+        // One piece per block is the KV case: no 64-bit division then.
+        const unsigned long long b = pl.pieces == 1 ? k : k / pl.pieces;
+        const unsigned long long at = (k - b * pl.pieces) * piece;
+        const unsigned long long left = pl.len - at;
+        const unsigned long long n = left < piece ? left : piece;
+        const unsigned long long id = ids[b];
+        const unsigned long long local = pl.local + (id & 0xffffffffULL) * pl.local_stride + at;
+        const unsigned long long remote = pl.remote + (id >> 32) * pl.remote_stride + at;
+        if (pull) {
+            kvf_copy_span(remote, local, n, lane, 32);
+        } else {
+            kvf_copy_span(local, remote, n, lane, 32);
+        }
     }
 }
 

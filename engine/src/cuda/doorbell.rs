@@ -1,6 +1,6 @@
 //! The doorbell: the lowest-latency way to run one small batch. Launching a kernel costs
 //! microseconds of driver time before the GPU even starts (3.9 µs per launch call measured on
-//! the H200 machines, 8.7 µs launch-to-completion for a 4 KiB copy), so a spinning lane keeps a
+//! the H200 machines, 8.7 µs launch-to-completion for a 4 KiB copy), so a lane keeps a
 //! one-CTA kernel (`kvf_doorbell` in copy.cu) lingering on its GPU while small batches keep
 //! coming: the host writes the ops into a ring in pinned host memory, each 8-byte word carrying
 //! the entry's sequence number beside 4 bytes of data, so the kernel finds and validates an entry
@@ -174,6 +174,13 @@ impl Doorbell {
 
     pub(crate) fn finished(&self, ticket: Ticket) -> bool {
         self.load(TAIL) > ticket.seq
+    }
+
+    /// Whether a doorbell kernel holds (or is about to hold) an SM: one serves the ring, or
+    /// the last launch has not started yet.
+    pub(crate) fn resident(&self) -> bool {
+        let host = self.host.lock().unwrap_or_else(|e| e.into_inner());
+        self.load(STATE) == 1 || self.load(STARTED) < host.generation
     }
 }
 

@@ -52,6 +52,7 @@ unsafe impl Sync for Device {}
 pub(crate) struct Kernels {
     pub copy: sys::CUfunction,
     pub copy_inline: sys::CUfunction,
+    pub copy_table: sys::CUfunction,
     pub doorbell: sys::CUfunction,
     #[cfg(feature = "bench-helpers")]
     pub fill: sys::CUfunction,
@@ -183,6 +184,7 @@ impl Device {
         Ok(Kernels {
             copy: get("kvf_copy")?,
             copy_inline: get("kvf_copy_inline")?,
+            copy_table: get("kvf_copy_table")?,
             doorbell: get("kvf_doorbell")?,
             #[cfg(feature = "bench-helpers")]
             fill: get("kvf_fill")?,

@@ -1,9 +1,12 @@
 //! One device's copy machinery: a pool of slots (stream, completion event, op-list buffers) and a
 //! completion thread. A batch takes a slot, becomes ONE piece of GPU work (a kernel launch over a
-//! device-side op list, or one batched copy-engine call), and is completed by the thread that
-//! waits on the slot's event, so the submitting thread never waits and no thread spins by default.
-//! A spinning lane also runs small batches through its doorbell (no launch at all), and a caller
-//! about to block anyway (`run_here`) waits for its own batch instead of being woken.
+//! device-side op list or block table, or one batched copy-engine call), and is completed by the
+//! thread that waits on the slot's event, so the submitting thread never waits. A caller about to
+//! block anyway (`run_here`) polls its own batch for a short window first (and small batches go
+//! through the doorbell kernel, no launch at all); only past the window is the batch handed to
+//! the completion thread, which sleeps in the driver. So a lone small op completes in a few µs,
+//! and an idle lane holds no core (the window ends with its batch) and no SM (the doorbell kernel
+//! exits after its idle time).
 
 use std::any::Any;
 use std::ffi::c_void;
@@ -16,20 +19,51 @@ use cudarc::driver::sys;
 use tracing::warn;
 
 use super::CudaPath;
+use super::batch_copy::{Place, batch_copy};
 use super::doorbell::{Doorbell, Ticket};
 use super::driver::{self, Device, DeviceMem, Event, Pinned, Stream, check};
 use super::oplist::OpList;
+use super::table_list::{DevicePlane, TableList};
+use crate::block_table::BlockPair;
 use crate::error::{Error, Result};
 
 /// The SM path cuts ops to this size so the warps of the persistent grid stay evenly busy.
 const MAX_PIECE: u64 = 64 << 10;
 /// Batches of at most this many (split) ops go as kernel parameters (`KVF_INLINE_OPS`).
-const INLINE_OPS: usize = 16;
+pub(crate) const INLINE_OPS: usize = 16;
 /// A spinning completion thread goes back to sleeping after this long without work.
 const SPIN_IDLE: Duration = Duration::from_millis(20);
-/// The doorbell kernel exits after this long without a batch: long enough to stay up between
-/// the ops of a burst, short enough that an idle fabric holds no SM.
-const DOORBELL_IDLE: Duration = Duration::from_micros(500);
+
+/// How a lane waits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LaneOptions {
+    /// The completion thread polls (one busy core while batches keep coming; `cuda_spin`).
+    pub spin: bool,
+    /// How long a `run_here` caller polls its batch before handing it to the completion thread
+    /// (`spin_wait`; 0: never, the completion thread sleeps in the driver and wakes it).
+    pub poll: Duration,
+    /// The doorbell kernel lingers this long after its last batch (`cuda_doorbell_idle`; 0: no
+    /// doorbell, every batch is launched).
+    pub doorbell_idle: Duration,
+}
+
+/// What one piece of GPU work copies.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Work<'a> {
+    /// Explicit copies, by a kernel over an op list (`Sm`) or the copy engines (`Ce`), with the
+    /// (source, destination) devices as location hints for the latter.
+    Copies {
+        path: CudaPath,
+        copies: &'a [DeviceCopy],
+        hints: (u32, u32),
+    },
+    /// A block table, by `kvf_copy_table`; `pull`: remote → local.
+    Table {
+        planes: &'a [DevicePlane],
+        blocks: &'a [BlockPair],
+        pull: bool,
+    },
+}
 
 /// `KvfInline` of copy.cu.
 #[repr(C)]
@@ -54,6 +88,7 @@ struct Slot {
     host: Pinned,
     dev: DeviceMem,
     list: OpList,
+    table: TableList,
 }
 
 /// What a batch in flight is waited on by.
@@ -72,8 +107,8 @@ pub(crate) struct Lane {
     device: &'static Device,
     free: Arc<Mutex<Vec<Slot>>>,
     tx: Mutex<Sender<Pending>>,
-    spin: bool,
-    /// Spinning lanes only: small batches without a launch.
+    options: LaneOptions,
+    /// Small batches of `run_here` without a launch.
     doorbell: Option<Arc<Doorbell>>,
     /// Cleared once the driver refuses cuMemcpyBatchAsync; the CE path then issues one async copy
     /// per op on the slot's stream.
@@ -87,15 +122,16 @@ impl std::fmt::Debug for Lane {
 }
 
 impl Lane {
-    pub(crate) fn new(device: &'static Device, spin: bool) -> Result<Arc<Lane>> {
+    pub(crate) fn new(device: &'static Device, options: LaneOptions) -> Result<Arc<Lane>> {
         device.kernels()?;
+        let spin = options.spin;
         let (tx, rx) = channel::<Pending>();
         let free: Arc<Mutex<Vec<Slot>>> = Arc::default();
         let back = free.clone();
-        let doorbell = if spin {
-            Some(Arc::new(Doorbell::new(device, DOORBELL_IDLE)?))
-        } else {
+        let doorbell = if options.doorbell_idle.is_zero() {
             None
+        } else {
+            Some(Arc::new(Doorbell::new(device, options.doorbell_idle)?))
         };
         let bell = doorbell.clone();
         std::thread::Builder::new()
@@ -133,10 +169,18 @@ impl Lane {
             device,
             free,
             tx: Mutex::new(tx),
-            spin,
+            options,
             doorbell,
             ce_batch: AtomicBool::new(true),
         }))
+    }
+
+    /// Kernels of this lane on its GPU while no batch runs: the doorbell, while it lingers (or
+    /// is launched and not yet running).
+    pub(crate) fn resident_kernels(&self) -> usize {
+        self.doorbell
+            .as_ref()
+            .map_or(0, |b| usize::from(b.resident()))
     }
 
     fn slot(&self) -> Result<Slot> {
@@ -146,48 +190,61 @@ impl Lane {
         let cap = 64 << 10;
         Ok(Slot {
             stream: Stream::new(self.device)?,
-            event: Event::new(self.device, !self.spin, false)?,
+            event: Event::new(self.device, !self.options.spin, false)?,
             host: Pinned::alloc(self.device, cap)?,
             dev: DeviceMem::alloc(self.device, cap as u64)?,
             list: OpList::new(MAX_PIECE),
+            table: TableList::default(),
         })
     }
 
-    /// Queues `copies` as one piece of GPU work; `done` runs on the completion thread once it
+    /// Queues `work` as one piece of GPU work; `done` runs on the completion thread once it
     /// has finished (or failed). `keep` lives until then (mappings the copies go through).
     pub(crate) fn submit(
         &self,
-        path: CudaPath,
-        copies: &[DeviceCopy],
-        hints: (u32, u32),
+        work: Work<'_>,
         done: Done,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
     ) -> Result<()> {
-        let slot = self.enqueue(path, copies, hints)?;
+        let slot = self.enqueue(work)?;
         self.hand_over(Wait::Event(slot), done, keep)
     }
 
-    /// Like `submit`, for a caller that blocks on the batch right after: on a spinning lane this
-    /// thread waits for the GPU itself (and small batches go through the doorbell), so no other
-    /// thread has to wake it. Past `deadline` the wait goes to the completion thread.
+    /// Like `submit`, for a caller that blocks on the batch right after: this thread polls the
+    /// GPU itself for the lane's poll window (small batches going through the doorbell), so a
+    /// short batch needs no other thread to wake it. Past the window, or `deadline`, the wait
+    /// goes to the completion thread. A spinning lane polls until `deadline`; a lane with no
+    /// window for a batch of `bytes` (`batch::poll_window`) is `submit`.
     pub(crate) fn run_here(
         &self,
-        path: CudaPath,
-        copies: &[DeviceCopy],
-        hints: (u32, u32),
+        work: Work<'_>,
+        bytes: u64,
         done: Done,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
         deadline: Instant,
     ) -> Result<()> {
-        if !self.spin {
-            return self.submit(path, copies, hints, done, keep);
-        }
-        if let (CudaPath::Sm, Some(bell)) = (path, &self.doorbell)
+        let until = if self.options.spin {
+            deadline
+        } else {
+            let window = crate::batch::poll_window(bytes, self.options.poll);
+            if window.is_zero() {
+                return self.submit(work, done, keep);
+            }
+            deadline.min(crate::batch::deadline_after(Instant::now(), window))
+        };
+        if let (
+            Work::Copies {
+                path: CudaPath::Sm,
+                copies,
+                ..
+            },
+            Some(bell),
+        ) = (work, &self.doorbell)
             && let Some(ops) = Doorbell::fits(copies)
             && let Some(ticket) = bell.ring(&ops)?
         {
             while !bell.finished(ticket) {
-                if Instant::now() >= deadline {
+                if Instant::now() >= until {
                     return self.hand_over(Wait::Doorbell(ticket), done, keep);
                 }
                 std::hint::spin_loop();
@@ -196,10 +253,10 @@ impl Lane {
             done(Ok(()));
             return Ok(());
         }
-        let slot = self.enqueue(path, copies, hints)?;
+        let slot = self.enqueue(work)?;
         let r = loop {
             match slot.event.query() {
-                Ok(false) if Instant::now() >= deadline => {
+                Ok(false) if Instant::now() >= until => {
                     return self.hand_over(Wait::Event(slot), done, keep);
                 }
                 Ok(false) => std::hint::spin_loop(),
@@ -218,14 +275,27 @@ impl Lane {
         Ok(())
     }
 
-    /// Takes a slot and queues the copies and its completion event on its stream.
-    fn enqueue(&self, path: CudaPath, copies: &[DeviceCopy], hints: (u32, u32)) -> Result<Slot> {
+    /// Takes a slot and queues the work and its completion event on its stream.
+    fn enqueue(&self, work: Work<'_>) -> Result<Slot> {
         self.device.bind()?;
         let mut slot = self.slot()?;
-        match path {
+        match work {
             // The link resolves `Auto` per batch; should one arrive here, a kernel is always right.
-            CudaPath::Sm | CudaPath::Auto => self.enqueue_kernel(&mut slot, copies)?,
-            CudaPath::Ce => self.enqueue_copy_engine(&slot, copies, hints)?,
+            Work::Copies {
+                path: CudaPath::Sm | CudaPath::Auto,
+                copies,
+                ..
+            } => self.enqueue_kernel(&mut slot, copies)?,
+            Work::Copies {
+                path: CudaPath::Ce,
+                copies,
+                hints,
+            } => self.enqueue_copy_engine(&slot, copies, hints)?,
+            Work::Table {
+                planes,
+                blocks,
+                pull,
+            } => self.enqueue_table(&mut slot, planes, blocks, pull)?,
         }
         slot.event.record(&slot.stream)?;
         Ok(slot)
@@ -255,7 +325,6 @@ impl Lane {
             slot.list.push(c.src, c.dst, c.len)?;
         }
         let k = self.device.kernels()?;
-        let warps_per_cta = (driver::THREADS / 32) as usize;
         let n = slot.list.len();
         if n <= INLINE_OPS {
             let mut inline = InlineOps {
@@ -270,13 +339,59 @@ impl Lane {
             // the addresses in it are bounds-checked and kept alive until completion.
             return unsafe { driver::launch(k.copy_inline, n as u32, slot.stream.0, &mut params) };
         }
-        let words = slot.list.words();
-        let bytes = std::mem::size_of_val(words);
+        let grid = self.grid(slot.list.len() as u64);
+        let mut list = self.upload(slot, Words::List)?;
+        let mut params = [&mut list as *mut u64 as *mut c_void];
+        // SAFETY: kvf_copy takes one pointer (the op list, uploaded above on the same stream);
+        // every address in the list was bounds-checked against a live region or mapping, which
+        // the caller keeps alive until completion.
+        unsafe { driver::launch(k.copy, grid, slot.stream.0, &mut params) }
+    }
+
+    /// One launch of `kvf_copy_table` over the planes and ids, which it expands itself.
+    fn enqueue_table(
+        &self,
+        slot: &mut Slot,
+        planes: &[DevicePlane],
+        blocks: &[BlockPair],
+        pull: bool,
+    ) -> Result<()> {
+        slot.table.build(planes, blocks, pull, MAX_PIECE)?;
+        let k = self.device.kernels()?;
+        let grid = self.grid(slot.table.items());
+        let mut table = self.upload(slot, Words::Table)?;
+        let mut params = [&mut table as *mut u64 as *mut c_void];
+        // SAFETY: kvf_copy_table takes one pointer (the table, uploaded above on the same
+        // stream); every plane's largest block was bounds-checked on both sides against a live
+        // region or mapping, which the caller keeps alive until completion.
+        unsafe { driver::launch(k.copy_table, grid, slot.stream.0, &mut params) }
+    }
+
+    /// One CTA per SM at most: enough loads in flight to fill the link, and room on every SM
+    /// for the kernels of other batches in flight (a pull and a push run side by side).
+    fn grid(&self, items: u64) -> u32 {
+        let warps_per_cta = u64::from(driver::THREADS / 32);
+        items
+            .div_ceil(warps_per_cta)
+            .clamp(1, u64::from(self.device.sm_count)) as u32
+    }
+
+    /// Copies the slot's op list or table to its device buffer (growing both buffers first if
+    /// needed), on the slot's stream; returns the device address.
+    fn upload(&self, slot: &mut Slot, which: Words) -> Result<u64> {
+        let bytes = match which {
+            Words::List => std::mem::size_of_val(slot.list.words()),
+            Words::Table => std::mem::size_of_val(slot.table.words()),
+        };
         if bytes > slot.host.len {
             let cap = bytes.next_power_of_two();
             slot.host = Pinned::alloc(self.device, cap)?;
             slot.dev = DeviceMem::alloc(self.device, cap as u64)?;
         }
+        let words = match which {
+            Words::List => slot.list.words(),
+            Words::Table => slot.table.words(),
+        };
         // SAFETY: the pinned buffer holds at least `bytes`, and the GPU is not reading it: a slot
         // is only handed out after its previous work completed.
         unsafe { std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), slot.host.ptr, bytes) };
@@ -284,15 +399,7 @@ impl Lane {
         check("cuMemcpyHtoDAsync", unsafe {
             sys::cuMemcpyHtoDAsync_v2(slot.dev.ptr, slot.host.ptr.cast(), bytes, slot.stream.0)
         })?;
-        // One CTA per SM: enough loads in flight to fill the link, and room on every SM for the
-        // kernels of other batches in flight (a pull and a push run side by side).
-        let grid = (slot.list.len().div_ceil(warps_per_cta) as u32).clamp(1, self.device.sm_count);
-        let mut list = slot.dev.ptr;
-        let mut params = [&mut list as *mut u64 as *mut c_void];
-        // SAFETY: kvf_copy takes one pointer (the op list, uploaded above on the same stream);
-        // every address in the list was bounds-checked against a live region or mapping, which
-        // the caller keeps alive until completion.
-        unsafe { driver::launch(k.copy, grid, slot.stream.0, &mut params) }
+        Ok(slot.dev.ptr)
     }
 
     fn enqueue_copy_engine(
@@ -302,7 +409,12 @@ impl Lane {
         hints: (u32, u32),
     ) -> Result<()> {
         if self.ce_batch.load(Ordering::Relaxed) {
-            match batch_copy(slot, copies, hints) {
+            let (src, dst) = hints;
+            let all = copies.iter().map(|c| (c.dst, c.src, c.len as usize));
+            // SAFETY: bounds-checked device addresses kept alive by the caller until completion.
+            let queued =
+                unsafe { batch_copy(slot.stream.0, all, Place::Device(src), Place::Device(dst)) };
+            match queued {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     warn!(error = %e, "cuMemcpyBatchAsync refused; copy engine path falls back to one async copy per op");
@@ -320,6 +432,13 @@ impl Lane {
     }
 }
 
+/// Which of a slot's host-built lists to upload.
+#[derive(Debug, Clone, Copy)]
+enum Words {
+    List,
+    Table,
+}
+
 /// The next finished-or-not batch to wait for: blocking on the channel, or (spin mode) polling
 /// it while work keeps coming. None once the lane is gone.
 fn next(rx: &Receiver<Pending>, spin: bool) -> Option<Pending> {
@@ -334,47 +453,4 @@ fn next(rx: &Receiver<Pending>, spin: bool) -> Option<Pending> {
         }
     }
     rx.recv().ok()
-}
-
-/// The driver's batched copy (CUDA 12.8+, `_v2` since 13.0): one call for the whole batch,
-/// carried out by the copy engines, no SM involved.
-fn batch_copy(slot: &Slot, copies: &[DeviceCopy], (src_dev, dst_dev): (u32, u32)) -> Result<()> {
-    let mut srcs: Vec<u64> = copies.iter().map(|c| c.src).collect();
-    let mut dsts: Vec<u64> = copies.iter().map(|c| c.dst).collect();
-    let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
-    let loc = |id: u32| sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: id as i32,
-    };
-    let mut attrs = [sys::CUmemcpyAttributes {
-        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-        srcLocHint: loc(src_dev),
-        dstLocHint: loc(dst_dev),
-        flags: 0,
-    }];
-    let mut idx = [0usize];
-    let call = || {
-        // SAFETY: the arrays hold `copies.len()` entries and outlive the call (the driver copies
-        // them before returning); the addresses are bounds-checked and kept alive by the caller.
-        unsafe {
-            sys::cuMemcpyBatchAsync_v2(
-                dsts.as_mut_ptr(),
-                srcs.as_mut_ptr(),
-                sizes.as_mut_ptr(),
-                copies.len(),
-                attrs.as_mut_ptr(),
-                idx.as_mut_ptr(),
-                1,
-                slot.stream.0,
-            )
-        }
-    };
-    // A driver without the entry point makes cudarc panic; that is a refusal, not a crash.
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
-        Ok(r) => check("cuMemcpyBatchAsync", r),
-        Err(_) => Err(Error::Cuda {
-            call: "cuMemcpyBatchAsync",
-            code: "entry point missing from the driver".into(),
-        }),
-    }
 }

@@ -8,7 +8,10 @@
 mod bench;
 pub mod ipc;
 pub mod oplist;
+pub mod table_list;
 
+#[cfg(feature = "cuda")]
+pub(crate) mod batch_copy;
 #[cfg(feature = "cuda")]
 mod doorbell;
 #[cfg(feature = "cuda")]

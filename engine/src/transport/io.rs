@@ -52,8 +52,13 @@ pub(crate) fn discard<R: Read>(r: &mut R, mut len: u64, scratch: &mut Vec<u8>) -
 /// has arrived, or 64 KiB): a header that promises much makes us hold little until the peer has
 /// sent it. `buf` keeps its capacity for the next frame.
 pub(crate) fn read_to_len<R: Read>(r: &mut R, buf: &mut Vec<u8>, need: usize) -> io::Result<()> {
-    const AHEAD: usize = 64 << 10;
     buf.clear();
+    extend_to_len(r, buf, need)
+}
+
+/// [`read_to_len`] after what `buf` holds already: reads until it holds `need` bytes.
+pub(crate) fn extend_to_len<R: Read>(r: &mut R, buf: &mut Vec<u8>, need: usize) -> io::Result<()> {
+    const AHEAD: usize = 64 << 10;
     while buf.len() < need {
         let have = buf.len();
         let next = have + (need - have).min(have.max(AHEAD));

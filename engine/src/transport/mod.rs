@@ -11,12 +11,14 @@ use crate::frame::Entry;
 use crate::region::{Location, RawRange, RegionId};
 use crate::segment::SegmentDescriptor;
 pub use crate::transport_kind::TransportKind;
+pub(crate) use planned_table::PlannedTable;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda_ipc;
 pub mod fdpass;
 pub(crate) mod io;
 pub(crate) mod listener;
+pub(crate) mod planned_table;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
 pub mod select;
@@ -55,6 +57,14 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug {
         let _ = deadline;
         self.submit(pieces, job)
     }
+    /// A block-table batch. By default expanded here, on the host, into pieces.
+    fn submit_table(&self, table: PlannedTable, job: Arc<Job>) {
+        self.submit(table.pieces(), job)
+    }
+    /// `submit_table` for a caller about to block on the job (see `run_here`).
+    fn run_table_here(&self, table: PlannedTable, job: Arc<Job>, deadline: std::time::Instant) {
+        self.run_here(table.pieces(), job, deadline)
+    }
     /// Live data connections and bytes moved, for status output.
     fn stats(&self) -> TransportStats;
     /// The peer published a new descriptor (regions added or gone).
@@ -69,4 +79,7 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug {
 pub struct TransportStats {
     pub connections: usize,
     pub bytes: u64,
+    /// Kernels this link keeps on its GPUs between batches (cuda-ipc's doorbell while it
+    /// lingers after a batch; it exits after `EngineConfig::cuda_doorbell_idle`).
+    pub resident_kernels: usize,
 }

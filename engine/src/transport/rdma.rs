@@ -1040,6 +1040,7 @@ impl Transport for RdmaLink {
         TransportStats {
             connections: self.shared.lanes.len(),
             bytes: self.shared.bytes.load(Ordering::Relaxed),
+            resident_kernels: 0,
         }
     }
 

@@ -134,15 +134,18 @@ impl Transport for ShmLink {
     fn submit(&self, pieces: Vec<Piece>, job: Arc<Job>) {
         job.expect_pieces(1);
         let inner = self.inner.clone();
-        self.inner
-            .pool
-            .spawn(move || match inner.run(&pieces, &job) {
-                Ok(bytes) => {
-                    inner.moved.fetch_add(bytes, Ordering::Relaxed);
-                    job.piece_done(bytes)
-                }
-                Err(e) => job.piece_failed(e),
-            });
+        self.inner.pool.spawn(move || inner.complete(&pieces, &job));
+    }
+
+    /// A batch below `parallel_min` is copied by the caller itself: it would be copied by one
+    /// pool thread anyway, and the caller then needs no wake-up.
+    fn run_here(&self, pieces: Vec<Piece>, job: Arc<Job>, _deadline: Instant) {
+        let bytes: u64 = pieces.iter().map(|p| p.remote.len).sum();
+        if bytes >= self.inner.parallel_min {
+            return self.submit(pieces, job);
+        }
+        job.expect_pieces(1);
+        self.inner.complete(&pieces, &job);
     }
 
     /// Forgets the mappings of regions the peer no longer publishes (or published anew under
@@ -169,11 +172,23 @@ impl Transport for ShmLink {
         TransportStats {
             connections: 1,
             bytes: self.inner.moved.load(Ordering::Relaxed),
+            resident_kernels: 0,
         }
     }
 }
 
 impl ShmInner {
+    /// Runs the batch and completes its one piece.
+    fn complete(&self, pieces: &[Piece], job: &Job) {
+        match self.run(pieces, job) {
+            Ok(bytes) => {
+                self.moved.fetch_add(bytes, Ordering::Relaxed);
+                job.piece_done(bytes)
+            }
+            Err(e) => job.piece_failed(e),
+        }
+    }
+
     fn run(&self, pieces: &[Piece], job: &Job) -> Result<u64> {
         let mut held: Vec<Arc<Region>> = Vec::new();
         let mut copies: Vec<(RawRange, RawRange, usize)> = Vec::with_capacity(pieces.len());

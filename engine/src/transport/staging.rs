@@ -142,6 +142,7 @@ mod imp {
     use tracing::warn;
 
     use super::*;
+    use crate::cuda::batch_copy::{Place, batch_copy};
     use crate::cuda::driver::{self, Device, Event, Pinned, Stream, check};
     use crate::transport::io::write_all_vectored;
 
@@ -432,64 +433,24 @@ mod imp {
         }
     }
 
-    /// One driver call for all of a unit's copies on one GPU (CUDA 12.8+; `_v2` since 13.0).
+    /// One driver call for all of a unit's copies on one GPU.
     fn batch(
         q: &Queue,
         device: u32,
         group: &[(u32, u64, u64, usize)],
         dir: Direction,
     ) -> Result<()> {
-        let (mut dsts, mut srcs): (Vec<u64>, Vec<u64>) = group
-            .iter()
-            .map(|&(_, dev, host, _)| match dir {
-                Direction::DeviceToHost => (host, dev),
-                Direction::HostToDevice => (dev, host),
-            })
-            .unzip();
-        let mut sizes: Vec<usize> = group.iter().map(|c| c.3).collect();
-        let gpu = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: device as i32,
-        };
-        let host = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-            id: 0,
-        };
-        let (src_hint, dst_hint) = match dir {
+        let (gpu, host) = (Place::Device(device), Place::Host);
+        let (src, dst) = match dir {
             Direction::DeviceToHost => (gpu, host),
             Direction::HostToDevice => (host, gpu),
         };
-        let mut attrs = [sys::CUmemcpyAttributes {
-            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            srcLocHint: src_hint,
-            dstLocHint: dst_hint,
-            flags: 0,
-        }];
-        let mut idx = [0usize];
-        let call = || {
-            // SAFETY: the arrays hold `group.len()` entries and outlive the call (the driver
-            // copies them before returning); the addresses are valid as in `one`.
-            unsafe {
-                sys::cuMemcpyBatchAsync_v2(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    group.len(),
-                    attrs.as_mut_ptr(),
-                    idx.as_mut_ptr(),
-                    1,
-                    q.stream.0,
-                )
-            }
-        };
-        // A driver without the entry point makes cudarc panic; that is a refusal, not a crash.
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
-            Ok(r) => check("cuMemcpyBatchAsync", r),
-            Err(_) => Err(Error::Cuda {
-                call: "cuMemcpyBatchAsync",
-                code: "entry point missing from the driver".into(),
-            }),
-        }
+        let copies = group.iter().map(|&(_, dev, host, len)| match dir {
+            Direction::DeviceToHost => (host, dev, len),
+            Direction::HostToDevice => (dev, host, len),
+        });
+        // SAFETY: the ranges are valid as in `one`.
+        unsafe { batch_copy(q.stream.0, copies, src, dst) }
     }
 
     /// A host range page-locked with cuMemHostRegister for as long as this value lives (the shm

@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::io::{BufReader, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
@@ -21,12 +22,12 @@ use tracing::{debug, warn};
 
 use super::io::{Until, discard, read_exact_vectored, spin_until_readable, write_all_vectored};
 use super::staging::{Span, Staging, device_of};
-use super::{Piece, Transport, TransportKind, TransportStats};
+use super::{Piece, PlannedTable, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
 use crate::error::{Error, Result};
 use crate::frame::{
     ENTRY_LEN, FLAG_CRC, FLAG_ERROR, FLAG_TRACE, FrameError, FrameKind, HEADER_LEN, Header,
-    MAX_ENTRIES, TRACE_LEN, decode_crcs,
+    MAX_ENTRIES, TABLE_HEAD_LEN, TABLE_PLANE_LEN, TRACE_LEN, TablePlane, decode_crcs, encode_table,
 };
 use crate::handshake::{self, Credentials, closed_or_io, read_header, read_remote_error};
 use crate::op::Opcode;
@@ -41,6 +42,59 @@ struct Chunk {
     tag: u64,
     /// The GPU every local piece lives on (staged), or None for host memory.
     device: Option<u32>,
+    /// Sent as a table manifest: `pieces` are these elements of the table, in element order.
+    table: Option<TableSlice>,
+}
+
+/// Planes `planes` × blocks `blocks` of a block-table batch.
+#[derive(Debug)]
+struct TableSlice {
+    table: Arc<PlannedTable>,
+    planes: Range<usize>,
+    blocks: Range<usize>,
+}
+
+impl TableSlice {
+    fn new(table: &Arc<PlannedTable>, planes: Range<usize>, blocks: Range<usize>) -> Self {
+        TableSlice {
+            table: table.clone(),
+            planes,
+            blocks,
+        }
+    }
+
+    fn pieces(&self) -> Vec<Piece> {
+        let mut out = Vec::with_capacity(self.planes.len() * self.blocks.len());
+        for p in self.planes.clone() {
+            out.extend(self.blocks.clone().map(|j| self.table.piece(p, j)));
+        }
+        out
+    }
+
+    fn manifest_len(&self) -> usize {
+        TABLE_HEAD_LEN + self.planes.len() * TABLE_PLANE_LEN + self.blocks.len() * 4
+    }
+
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        let planes: Vec<TablePlane> = self.table.planes[self.planes.clone()]
+            .iter()
+            .map(|p| p.remote)
+            .collect();
+        let ids = self.table.blocks[self.blocks.clone()]
+            .iter()
+            .map(|b| b.remote);
+        encode_table(&planes, ids, out);
+    }
+}
+
+impl Chunk {
+    /// Bytes of manifest after the header (not counting a trace block).
+    fn manifest_len(&self) -> usize {
+        match &self.table {
+            Some(t) => t.manifest_len(),
+            None => self.pieces.len() * ENTRY_LEN,
+        }
+    }
 }
 
 /// Chunks up to this size (header, manifest and payload) are written by the submitting thread
@@ -180,6 +234,7 @@ impl TcpLink {
                     pieces: std::mem::take(cur),
                     bytes: std::mem::take(cur_bytes),
                     tag: 0,
+                    table: None,
                 });
             }
         };
@@ -210,6 +265,83 @@ impl TcpLink {
         }
         flush(&mut cur, &mut cur_bytes, &mut chunks);
         chunks
+    }
+
+    /// Cuts a block table into table-manifest chunks of about `chunk_bytes`: runs of blocks
+    /// over every plane, or, when one block over all planes is larger than a chunk, runs of
+    /// planes of one block. Hands the table back when it is not of one place (host, or one GPU)
+    /// or has blocks larger than a chunk: it then goes as op manifests.
+    fn table_chunks(
+        &self,
+        job: &Arc<Job>,
+        table: PlannedTable,
+    ) -> std::result::Result<Vec<Chunk>, PlannedTable> {
+        let device = device_of(table.planes[0].location);
+        if table
+            .planes
+            .iter()
+            .any(|p| device_of(p.location) != device || p.remote.block_bytes > self.chunk_bytes)
+        {
+            return Err(table);
+        }
+        let row: u64 = table.planes.iter().map(|p| p.remote.block_bytes).sum();
+        let table = Arc::new(table);
+        let (planes, blocks) = (table.planes.len(), table.blocks.len());
+        let chunk = |planes: Range<usize>, blocks: Range<usize>| {
+            let slice = TableSlice::new(&table, planes, blocks);
+            let row: u64 = table.planes[slice.planes.clone()]
+                .iter()
+                .map(|p| p.remote.block_bytes)
+                .sum();
+            Chunk {
+                job: job.clone(),
+                pieces: slice.pieces(),
+                bytes: row * slice.blocks.len() as u64,
+                tag: 0,
+                device,
+                table: Some(slice),
+            }
+        };
+        let mut chunks = Vec::new();
+        if row <= self.chunk_bytes {
+            let per = ((self.chunk_bytes / row) as usize)
+                .min(MAX_ENTRIES as usize / planes)
+                .max(1);
+            for start in (0..blocks).step_by(per) {
+                chunks.push(chunk(0..planes, start..(start + per).min(blocks)));
+            }
+            return Ok(chunks);
+        }
+        for j in 0..blocks {
+            let mut start = 0;
+            while start < planes {
+                let (mut end, mut bytes) = (start, 0);
+                while end < planes
+                    && bytes + table.planes[end].remote.block_bytes <= self.chunk_bytes
+                {
+                    bytes += table.planes[end].remote.block_bytes;
+                    end += 1;
+                }
+                chunks.push(chunk(start..end, j..j + 1));
+                start = end;
+            }
+        }
+        Ok(chunks)
+    }
+
+    /// `run_here`'s choice for chunks ready to go: one chunk is carried by this thread.
+    fn run_chunks(&self, job: Arc<Job>, mut chunks: Vec<Chunk>, deadline: Instant) {
+        let conn = self.least_loaded();
+        match (chunks.len(), conn) {
+            (1, Some(conn)) => {
+                job.expect_pieces(1);
+                let chunk = chunks.pop().expect("one chunk");
+                if let Some(busy) = conn.run_here(chunk, deadline) {
+                    conn.enqueue(busy);
+                }
+            }
+            _ => self.dispatch(job, chunks),
+        }
     }
 }
 
@@ -245,18 +377,24 @@ impl Transport for TcpLink {
     }
 
     fn run_here(&self, pieces: Vec<Piece>, job: Arc<Job>, deadline: Instant) {
-        let mut chunks = self.chunks(&job, pieces);
-        let conn = self.least_loaded();
-        match (chunks.len(), conn) {
-            (1, Some(conn)) => {
-                job.expect_pieces(1);
-                let chunk = chunks.pop().expect("one chunk");
-                if let Some(busy) = conn.run_here(chunk, deadline) {
-                    conn.enqueue(busy);
-                }
-            }
-            _ => self.dispatch(job, chunks),
-        }
+        let chunks = self.chunks(&job, pieces);
+        self.run_chunks(job, chunks, deadline);
+    }
+
+    fn submit_table(&self, table: PlannedTable, job: Arc<Job>) {
+        let chunks = match self.table_chunks(&job, table) {
+            Ok(chunks) => chunks,
+            Err(table) => self.chunks(&job, table.pieces()),
+        };
+        self.dispatch(job, chunks);
+    }
+
+    fn run_table_here(&self, table: PlannedTable, job: Arc<Job>, deadline: Instant) {
+        let chunks = match self.table_chunks(&job, table) {
+            Ok(chunks) => chunks,
+            Err(table) => self.chunks(&job, table.pieces()),
+        };
+        self.run_chunks(job, chunks, deadline);
     }
 
     fn stats(&self) -> TransportStats {
@@ -271,6 +409,7 @@ impl Transport for TcpLink {
                 .iter()
                 .map(|c| c.moved.load(Ordering::Relaxed))
                 .sum(),
+            resident_kernels: 0,
         }
     }
 }
@@ -342,7 +481,7 @@ impl Conn {
         }
         // GPU chunks are staged by the writer thread, never written by the submitter.
         let small = chunk.device.is_none()
-            && chunk.bytes as usize + chunk.pieces.len() * ENTRY_LEN + HEADER_LEN <= INLINE_MAX;
+            && chunk.bytes as usize + chunk.manifest_len() + HEADER_LEN <= INLINE_MAX;
         if q.busy || !q.items.is_empty() || !small {
             q.items.push_back(Work::Chunk(chunk));
             drop(q);
@@ -856,9 +995,11 @@ fn wait_readable(
 
 /// Header and manifest of a chunk.
 fn encode_head(chunk: &Chunk, out: &mut Vec<u8>) {
-    let kind = match chunk.job.opcode {
-        Opcode::Write => FrameKind::WriteManifest,
-        Opcode::Read => FrameKind::ReadManifest,
+    let kind = match (chunk.job.opcode, &chunk.table) {
+        (Opcode::Write, None) => FrameKind::WriteManifest,
+        (Opcode::Read, None) => FrameKind::ReadManifest,
+        (Opcode::Write, Some(_)) => FrameKind::WriteTable,
+        (Opcode::Read, Some(_)) => FrameKind::ReadTable,
     };
     let mut flags = if chunk.job.checksum { FLAG_CRC } else { 0 };
     if chunk.job.trace.is_some() {
@@ -867,13 +1008,18 @@ fn encode_head(chunk: &Chunk, out: &mut Vec<u8>) {
     let header =
         Header::new(kind, chunk.tag, chunk.pieces.len() as u32, chunk.bytes).with_flags(flags);
     out.clear();
-    out.reserve(HEADER_LEN + TRACE_LEN + chunk.pieces.len() * ENTRY_LEN);
+    out.reserve(HEADER_LEN + TRACE_LEN + chunk.manifest_len());
     out.extend_from_slice(&header.encode());
     if let Some(trace) = &chunk.job.trace {
         trace.encode_into(out);
     }
-    for p in &chunk.pieces {
-        p.remote.encode_into(out);
+    match &chunk.table {
+        Some(table) => table.encode_into(out),
+        None => {
+            for p in &chunk.pieces {
+                p.remote.encode_into(out);
+            }
+        }
     }
 }
 
@@ -972,5 +1118,99 @@ mod tests {
             assert!(wait_readable(&a, start + Duration::from_secs(60), window).unwrap());
             assert!(start.elapsed() < Duration::from_secs(10));
         }
+    }
+
+    use crate::block_table::{BlockPair, TableShape};
+    use crate::region::{AccessKey, Location, RawRange, RegionId};
+    use crate::transport::planned_table::PlannedPlane;
+
+    fn table(lens: &[u64], blocks: u32, buf: &mut [u8]) -> PlannedTable {
+        let planes = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| PlannedPlane {
+                local: RawRange {
+                    ptr: buf.as_mut_ptr(),
+                    len: buf.len(),
+                },
+                local_region: RegionId(1),
+                local_base: 0,
+                local_stride: 0,
+                location: Location::Host { numa: None },
+                remote: TablePlane {
+                    region: RegionId(2),
+                    key: AccessKey(3),
+                    base: i as u64 * 1_000_000,
+                    stride: len,
+                    block_bytes: len,
+                },
+            })
+            .collect();
+        PlannedTable {
+            planes,
+            blocks: (0..blocks)
+                .map(|j| BlockPair {
+                    local: 0,
+                    remote: j,
+                })
+                .collect(),
+            shape: TableShape {
+                max_local: 0,
+                max_remote: blocks - 1,
+            },
+            bytes: lens.iter().sum::<u64>() * u64::from(blocks),
+        }
+    }
+
+    /// Table chunks cover every element once, in element order within each chunk, each no
+    /// larger than a chunk and no longer than a manifest may be; tables they cannot carry are
+    /// handed back.
+    #[test]
+    fn table_chunks_cover_every_element_within_the_limits() {
+        let mut buf = vec![0u8; 1 << 20];
+        let job = Job::new(1, Opcode::Write, false, None, Vec::new());
+        for (chunk_bytes, lens, blocks) in [
+            (64u64 << 10, vec![4096u64; 64], 100u32),
+            (64 << 10, vec![1000, 3000, 17], 5000),
+            (1 << 20, vec![1; 4096], 1000),
+            (64 << 10, vec![40_000, 30_000, 64 << 10], 3),
+        ] {
+            let link = TcpLink {
+                conns: Vec::new(),
+                chunk_bytes,
+            };
+            let t = table(&lens, blocks, &mut buf);
+            let total = t.bytes;
+            let chunks = link.table_chunks(&job, t).expect("carried as tables");
+            let mut seen = vec![0u32; lens.len() * blocks as usize];
+            let mut bytes = 0;
+            for c in &chunks {
+                let slice = c.table.as_ref().expect("a table chunk");
+                assert!(c.bytes <= chunk_bytes, "{} > {chunk_bytes}", c.bytes);
+                assert!(c.pieces.len() <= MAX_ENTRIES as usize);
+                assert_eq!(c.pieces.len(), slice.planes.len() * slice.blocks.len());
+                let mut ops = c.pieces.iter().map(|p| p.op);
+                for p in slice.planes.clone() {
+                    for j in slice.blocks.clone() {
+                        let op = ops.next().unwrap();
+                        assert_eq!(op, p * blocks as usize + j, "element order");
+                        seen[op] += 1;
+                    }
+                }
+                assert_eq!(c.pieces.iter().map(|p| p.remote.len).sum::<u64>(), c.bytes);
+                bytes += c.bytes;
+            }
+            assert!(seen.iter().all(|&n| n == 1));
+            assert_eq!(bytes, total);
+        }
+        // A block larger than a chunk: handed back, to go as op manifests (which split it).
+        let link = TcpLink {
+            conns: Vec::new(),
+            chunk_bytes: 64 << 10,
+        };
+        assert!(
+            link.table_chunks(&job, table(&[4096, 65 << 10], 2, &mut buf))
+                .is_err()
+        );
     }
 }

@@ -13,16 +13,18 @@ use tracing::{debug, info};
 
 use super::TransportKind;
 use super::io::{
-    discard, hang_up, read_exact_vectored, read_to_len, spin_until_readable, write_all_vectored,
+    discard, extend_to_len, hang_up, read_exact_vectored, read_to_len, spin_until_readable,
+    write_all_vectored,
 };
 use super::listener::Admission;
 use super::staging::{Span, Staging, device_of};
 use super::target::ServedChunk;
 use super::target::Target;
+use crate::block_table::{SideView, check_destinations, plane_end};
 use crate::error::{Error, Result, Side};
 use crate::frame::{
-    FLAG_CRC, FrameError, FrameKind, Header, TraceContext, decode_crcs, decode_manifest,
-    decode_trace,
+    FLAG_CRC, FLAG_TRACE, FrameError, FrameKind, Header, TABLE_HEAD_LEN, TRACE_LEN, TableHead,
+    TableManifest, TraceContext, decode_crcs, decode_manifest, decode_table, decode_trace,
 };
 use crate::handshake::{self, closed_or_io, read_header, send_error};
 use crate::op::Opcode;
@@ -146,12 +148,12 @@ impl ServerConn {
         let (opcode, result) = match h.kind {
             // An idle initiator's sign of life: nothing to answer.
             FrameKind::KeepAlive if h.len == 0 && h.count == 0 => return Ok(()),
-            FrameKind::WriteManifest => (Opcode::Write, self.write(s, &h)),
-            FrameKind::ReadManifest => (Opcode::Read, self.read(s, &h)),
+            FrameKind::WriteManifest | FrameKind::WriteTable => (Opcode::Write, self.write(s, &h)),
+            FrameKind::ReadManifest | FrameKind::ReadTable => (Opcode::Read, self.read(s, &h)),
             kind => {
                 return Err(FrameError::Unexpected {
                     kind,
-                    expected: "a WriteManifest or ReadManifest frame",
+                    expected: "a manifest (WriteManifest, ReadManifest, WriteTable, ReadTable)",
                 }
                 .into());
             }
@@ -184,6 +186,146 @@ impl ServerConn {
             self.manifest = Vec::new();
         }
         Ok(entries?)
+    }
+
+    /// The trace block and table manifest of a table chunk: the fixed head first, then (its
+    /// sizes bounded) the planes and ids.
+    fn table(&mut self, h: &Header) -> Result<TableManifest> {
+        let io = |e| closed_or_io(e, &self.peer);
+        let pre = if h.has(FLAG_TRACE) { TRACE_LEN } else { 0 };
+        read_to_len(&mut self.input, &mut self.manifest, pre + TABLE_HEAD_LEN).map_err(io)?;
+        self.trace = decode_trace(h, &self.manifest);
+        let head = TableHead::decode(h, self.manifest[pre..].try_into().expect("head length"))?;
+        extend_to_len(
+            &mut self.input,
+            &mut self.manifest,
+            pre + TABLE_HEAD_LEN + head.body_len(),
+        )
+        .map_err(io)?;
+        let table = decode_table(h, &head, &self.manifest[pre + TABLE_HEAD_LEN..]);
+        if self.manifest.capacity() > MANIFEST_KEPT {
+            self.manifest = Vec::new();
+        }
+        Ok(table?)
+    }
+
+    /// A table manifest checked as `check` checks entries, but per plane: its region and key,
+    /// the bounds of its largest block id, staging; for writes, destinations apart. Then each
+    /// element's range, in element order.
+    fn check_table(&self, table: &TableManifest, writes: bool) -> Result<Checked> {
+        let blocks = table.blocks.len();
+        let max = table.blocks.iter().copied().max().unwrap_or(0);
+        let mut leases: Vec<Lease> = Vec::new();
+        let mut regions = Vec::with_capacity(table.planes.len());
+        let mut device = None;
+        for (i, p) in table.planes.iter().enumerate() {
+            let region = match leases.iter().find(|l| l.region().id() == p.region) {
+                Some(l) => {
+                    l.region().check_key(p.key, Side::Remote)?;
+                    l.region().clone()
+                }
+                None => {
+                    let lease = self
+                        .target
+                        .regions
+                        .lease_checked(p.region, p.key, Side::Remote)?;
+                    let r = lease.region().clone();
+                    leases.push(lease);
+                    r
+                }
+            };
+            if p.block_bytes == 0 {
+                return Err(Error::InvalidPlane {
+                    plane: i,
+                    field: "block_bytes",
+                    value: 0,
+                    reason: "blocks need at least one byte",
+                });
+            }
+            let end =
+                plane_end(p.base, p.stride, max, p.block_bytes).ok_or(Error::InvalidPlane {
+                    plane: i,
+                    field: "remote.stride",
+                    value: p.stride,
+                    reason: "base + largest block id × stride + block_bytes passes 2^64",
+                })?;
+            if end > region.len() {
+                return Err(Error::PlaneOutOfBounds {
+                    plane: i,
+                    side: Side::Remote,
+                    region: region.id(),
+                    block: max,
+                    offset: end - p.block_bytes,
+                    len: p.block_bytes,
+                    region_len: region.len(),
+                });
+            }
+            if let Some(d) = device_of(region.location()) {
+                if self.target.config.staging_bytes == 0 {
+                    return Err(Error::StagingNotConfigured {
+                        op: i * blocks,
+                        region: region.id(),
+                        location: region.location(),
+                        transport: TransportKind::Tcp,
+                    });
+                }
+                device = device.or(Some(d));
+            }
+            regions.push(region);
+        }
+        if writes {
+            let views: Vec<SideView> = table
+                .planes
+                .iter()
+                .map(|p| SideView {
+                    region: p.region,
+                    base: p.base,
+                    stride: p.stride,
+                    len: p.block_bytes,
+                })
+                .collect();
+            check_destinations(&views, blocks, |j| table.blocks[j], Side::Remote)?;
+        }
+        let n = table.planes.len() * blocks;
+        let (mut ranges, mut locations) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (i, (p, region)) in table.planes.iter().zip(&regions).enumerate() {
+            for (j, &id) in table.blocks.iter().enumerate() {
+                // Exact: the largest id's block ends inside the region (checked above).
+                let offset = p.base + u64::from(id) * p.stride;
+                ranges.push(region.range(
+                    i * blocks + j,
+                    "remote_offset",
+                    offset,
+                    p.block_bytes,
+                )?);
+                locations.push(region.location());
+            }
+        }
+        Ok(Checked {
+            ranges,
+            locations,
+            device,
+            _leases: leases,
+        })
+    }
+
+    /// The chunk's manifest, read and checked. The outer error leaves the stream out of step
+    /// (the connection closes); the inner one refuses the chunk alone.
+    fn manifest(&mut self, h: &Header, writes: bool) -> Result<Result<Checked>> {
+        let checked = if matches!(h.kind, FrameKind::WriteTable | FrameKind::ReadTable) {
+            let table = self.table(h)?;
+            self.check_table(&table, writes)
+        } else {
+            let entries = self.entries(h)?;
+            self.check(&entries, writes)
+        };
+        // A checked manifest whose GPU ranges cannot be staged is refused like a bad one.
+        Ok(checked.and_then(|c| {
+            if let Some(device) = c.device {
+                self.ring(device)?;
+            }
+            Ok(c)
+        }))
     }
 
     fn check(&self, entries: &[crate::frame::Entry], writes: bool) -> Result<Checked> {
@@ -248,20 +390,11 @@ impl ServerConn {
         Ok(self.staging.as_mut().expect("just made"))
     }
 
-    /// A checked manifest whose GPU ranges cannot be staged is refused like a bad one.
-    fn check_staged(&mut self, entries: &[crate::frame::Entry], writes: bool) -> Result<Checked> {
-        let checked = self.check(entries, writes)?;
-        if let Some(device) = checked.device {
-            self.ring(device)?;
-        }
-        Ok(checked)
-    }
-
     fn write(&mut self, s: &mut TcpStream, h: &Header) -> Result<()> {
-        let entries = self.entries(h)?;
+        let checked = self.manifest(h, true)?;
         let peer = self.peer.clone();
         let io = |e| closed_or_io(e, &peer);
-        let checked = match self.check_staged(&entries, true) {
+        let checked = match checked {
             Ok(c) => c,
             Err(refusal) => {
                 if h.len > DISCARD_LIMIT {
@@ -320,10 +453,10 @@ impl ServerConn {
     }
 
     fn read(&mut self, s: &mut TcpStream, h: &Header) -> Result<()> {
-        let entries = self.entries(h)?;
+        let checked = self.manifest(h, false)?;
         let peer = self.peer.clone();
         let io = |e| closed_or_io(e, &peer);
-        let checked = match self.check_staged(&entries, false) {
+        let checked = match checked {
             Ok(c) => c,
             Err(refusal) => {
                 debug!(peer = %self.peer, error = %refusal, "read chunk refused");

@@ -157,3 +157,36 @@ pub fn read_frame<S: Read>(s: &mut S) -> (Header, Vec<u8>) {
 pub fn remote_error(body: &[u8]) -> RemoteError {
     serde_json::from_slice(body).unwrap()
 }
+
+/// This process's threads whose name starts with `prefix` and that were running or runnable
+/// (state R in /proc) in more than half of `samples` looks, `every` apart: threads that spin.
+/// A thread that sleeps (in a futex, poll, the driver's blocking sync) reads S, and one woken
+/// now and then for a moment is R in few samples.
+pub fn spinning_threads(prefix: &str, samples: usize, every: std::time::Duration) -> Vec<String> {
+    use std::collections::HashMap;
+    let mut running: HashMap<(u32, String), usize> = HashMap::new();
+    for _ in 0..samples {
+        for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+                continue; // gone meanwhile
+            };
+            let Some((head, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            let name = head.split_once('(').map_or("", |(_, n)| n).to_string();
+            let tid: u32 = task.file_name().to_string_lossy().parse().unwrap_or(0);
+            let state = rest.trim_start().chars().next().unwrap_or('?');
+            if name.starts_with(prefix) && state == 'R' {
+                *running.entry((tid, name)).or_default() += 1;
+            }
+        }
+        std::thread::sleep(every);
+    }
+    let mut names: Vec<String> = running
+        .into_iter()
+        .filter(|(_, n)| *n * 2 > samples)
+        .map(|((tid, name), n)| format!("{name} (tid {tid}, R in {n}/{samples})"))
+        .collect();
+    names.sort();
+    names
+}

@@ -110,6 +110,43 @@ pub struct BlockOp {
     #[prost(uint64, tag = "5")]
     pub len: u64,
 }
+/// One side of a block-table plane: block i starts at base + i × stride of region `region` (an
+/// index in that side's segment).
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct PlaneSide {
+    #[prost(uint32, tag = "1")]
+    pub region: u32,
+    #[prost(uint64, tag = "2")]
+    pub base: u64,
+    #[prost(uint64, tag = "3")]
+    pub stride: u64,
+}
+/// A plane of a block table (one per layer and K/V, say): where its blocks lie on each side, and
+/// how many bytes of each block move. A destination plane's stride is at least block_bytes.
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Plane {
+    #[prost(message, optional, tag = "1")]
+    pub local: ::core::option::Option<PlaneSide>,
+    #[prost(message, optional, tag = "2")]
+    pub remote: ::core::option::Option<PlaneSide>,
+    #[prost(uint64, tag = "3")]
+    pub block_bytes: u64,
+}
+/// A batch as an inference engine describes a request: planes, and block-id pairs every plane
+/// moves (local_blocks\[i\] with remote_blocks\[i\]). Checked per plane; it counts as planes × blocks
+/// block ops against the agent's limit.
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct BlockTable {
+    #[prost(message, repeated, tag = "1")]
+    pub planes: ::prost::alloc::vec::Vec<Plane>,
+    #[prost(uint32, repeated, tag = "2")]
+    pub local_blocks: ::prost::alloc::vec::Vec<u32>,
+    #[prost(uint32, repeated, tag = "3")]
+    pub remote_blocks: ::prost::alloc::vec::Vec<u32>,
+}
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct SubmitRequest {
@@ -125,6 +162,7 @@ pub struct SubmitRequest {
     pub remote_key: u64,
     #[prost(enumeration = "Opcode", tag = "5")]
     pub opcode: i32,
+    /// The batch: explicit ops, or (instead) a block table. Exactly one of the two is given.
     #[prost(message, repeated, tag = "6")]
     pub ops: ::prost::alloc::vec::Vec<BlockOp>,
     /// 0: the agent's default.
@@ -132,6 +170,8 @@ pub struct SubmitRequest {
     pub timeout_ms: u64,
     #[prost(bool, tag = "8")]
     pub checksum: bool,
+    #[prost(message, optional, tag = "9")]
+    pub table: ::core::option::Option<BlockTable>,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
