@@ -164,7 +164,9 @@ pub struct HeaderRewriter {
     open: Option<OpenBlock>,
     decoder: Decoder<'static>,
     encoder: Encoder<'static>,
+    /// The server's table is set to size 0 at the head of the first block written.
     table_dropped: bool,
+    /// The re-encoded block, its allocation kept from one block to the next.
     block: Vec<u8>,
 }
 
