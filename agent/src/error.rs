@@ -79,6 +79,10 @@ pub enum Error {
         reason: String,
     },
 
+    /// A local client's HTTP/2 byte stream that cannot be parsed; its connection is closed.
+    #[error("malformed HTTP/2 from a local client: {0}")]
+    Http2(crate::authority::Http2Fault),
+
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -130,6 +134,7 @@ impl Error {
             Error::UnknownAgent { .. } => "unknown_agent",
             Error::Exhausted { .. } => "exhausted",
             Error::PeerAgent { .. } => "peer_agent",
+            Error::Http2(_) => "http2",
             Error::Io { .. } => "io",
         }
     }

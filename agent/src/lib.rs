@@ -4,6 +4,7 @@
 //! parses the flags and environment into one.
 
 pub mod allocator;
+pub mod authority;
 pub mod config;
 pub mod discovery;
 mod error;

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use futures::TryStreamExt;
 use kvfabric_engine::{
     Engine, EngineConfig, RdmaConfig, ServeObserver, ServedChunk, TransportKind,
 };
@@ -26,6 +27,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Server;
 use tracing::{info, warn};
 
+use crate::authority::AuthorityRewrite;
 use crate::config::AgentConfig;
 use crate::discovery;
 use crate::error::{Error, Result};
@@ -273,12 +275,14 @@ impl Agent {
                     .add_service(health_svc.clone())
                     .add_service(local_svc)
                     .serve_with_incoming_shutdown(
+                        // grpcio's `:authority` for a Unix socket is made acceptable to h2.
                         incoming::capped(
                             listeners.local,
                             "local API",
                             MAX_LOCAL_CONNECTIONS,
                             refused.clone(),
-                        ),
+                        )
+                        .map_ok(AuthorityRewrite::new),
                         stopped(api_rx.clone()),
                     ),
             ),
