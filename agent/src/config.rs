@@ -82,8 +82,9 @@ pub struct AgentArgs {
     #[arg(long, env = env::TLS_CA)]
     pub tls_ca: Option<PathBuf>,
 
-    /// TLS on the tcp data port as well. Refused for now: not implemented (docs/agent.md).
-    #[arg(long, env = env::TLS_DATA_PORT)]
+    /// With mTLS on, TLS on the tcp data port too (the same certificate and CA). Every agent
+    /// of a fabric must agree.
+    #[arg(long, env = env::TLS_DATA_PORT, default_value_t = true, action = clap::ArgAction::Set)]
     pub tls_data_port: bool,
 
     /// Directory with ca.crt (and tls.crt + tls.key for a client certificate).
@@ -218,6 +219,8 @@ pub struct AgentConfig {
     pub peer_token: Option<PeerToken>,
     /// mTLS on the peer API; None: plain TCP.
     pub tls: Option<PeerTls>,
+    /// With `tls`, TLS on the tcp data port too.
+    pub tls_data_port: bool,
     pub socket_dir: PathBuf,
     pub socket_group: Option<u32>,
     pub socket_mode: u32,
@@ -317,6 +320,7 @@ impl AgentArgs {
             etcd,
             peer_token,
             tls,
+            tls_data_port: self.tls_data_port,
             socket_dir: self.socket_dir,
             socket_group: self.socket_group,
             socket_mode: self.socket_mode,
@@ -366,23 +370,6 @@ impl AgentArgs {
                 ));
             }
         };
-        if self.tls_data_port {
-            // The client side splits each data connection into a writer and a reader thread on
-            // two descriptors of one socket and polls the raw descriptor for replies; one TLS
-            // session cannot be shared that way (docs/agent.md, "Not done").
-            return Err(Error::config(
-                "tls-data-port",
-                "true",
-                if tls.is_some() {
-                    "data-port TLS not implemented: the data port authenticates peers by the \
-                     data secret, which only travels over the (mTLS) peer API, but does not \
-                     encrypt"
-                } else {
-                    "data-port TLS not implemented (and it would need tls-dir or tls-cert, \
-                     tls-key, tls-ca)"
-                },
-            ));
-        }
         Ok(tls)
     }
 }
@@ -412,6 +399,7 @@ impl AgentConfig {
             "tls": self.tls.as_ref().map(|t| serde_json::json!({
                 "cert": t.cert_path,
                 "ca": t.ca_path,
+                "data_port": self.tls_data_port,
             })),
             "socket_dir": self.socket_dir,
             "socket_group": self.socket_group,
@@ -443,6 +431,7 @@ impl AgentConfig {
             etcd: None,
             peer_token: None,
             tls: None,
+            tls_data_port: true,
             socket_dir: socket_dir.into(),
             socket_group: None,
             socket_mode: 0o660,
@@ -732,23 +721,17 @@ mod tests {
     }
 
     #[test]
-    fn data_port_tls_is_refused_as_not_implemented() {
+    fn the_data_port_follows_tls_unless_turned_off() {
         let ca = TestCa::new("ca");
         let dir = secret_dir(&ca, &[TLS_NAME]);
         let mut flags = dir_flag(dir.path());
-        flags.push("--tls-data-port".into());
-        let r = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>());
-        let (field, reason) = field(r);
-        assert_eq!(field, "tls-data-port");
-        assert!(
-            reason.starts_with("data-port TLS not implemented"),
-            "{reason}"
-        );
-        assert_eq!(field_exit(validate(&["--tls-data-port"])), 64);
-    }
-
-    fn field_exit(r: Result<AgentConfig>) -> u8 {
-        r.expect_err("refused").exit_code()
+        let on = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert!(on.tls_data_port);
+        assert_eq!(on.summary()["tls"]["data_port"], true);
+        flags.extend(["--tls-data-port".into(), "false".into()]);
+        let config = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert!(!config.tls_data_port);
+        assert_eq!(config.summary()["tls"]["data_port"], false);
     }
 
     const TLS_NAME: &str = kvfabric_proto::contract::TLS_SERVER_NAME;

@@ -2,12 +2,13 @@
 //! once at start (so a bad Secret exits 64 naming the file, instead of every peer call failing
 //! later), then handed to the peer API server (which requires a client certificate of the CA) and
 //! to the peer API client (which presents the certificate and verifies the server against the
-//! CA under [`TLS_SERVER_NAME`]).
+//! CA under [`TLS_SERVER_NAME`]); the engine's tcp data port gets the same ([`DataTls`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvfabric_engine::DataTls;
 use kvfabric_proto::contract::TLS_SERVER_NAME;
 use rustls::RootCertStore;
 use rustls::client::WebPkiServerVerifier;
@@ -38,6 +39,8 @@ pub struct PeerTls {
     cert_pem: Vec<u8>,
     key_pem: Vec<u8>,
     ca_pem: Vec<u8>,
+    /// The same material for the engine's tcp data port.
+    pub data: DataTls,
 }
 
 impl std::fmt::Debug for PeerTls {
@@ -90,7 +93,7 @@ impl PeerTls {
         let provider = provider();
         let signing = provider
             .key_provider
-            .load_private_key(private)
+            .load_private_key(private.clone_key())
             .map_err(|e| Error::config("tls-key", key.display(), e.to_string()))?;
         CertifiedKey::new(chain.clone(), signing)
             .keys_match()
@@ -103,12 +106,14 @@ impl PeerTls {
             })?;
 
         let mut store = RootCertStore::empty();
-        for root in roots {
+        for root in &roots {
             store
-                .add(root)
+                .add(root.clone())
                 .map_err(|e| Error::config("tls-ca", ca.display(), e.to_string()))?;
         }
         let store = Arc::new(store);
+        let data = DataTls::new(chain.clone(), private, roots.clone(), TLS_SERVER_NAME)
+            .map_err(|e| Error::config("tls-cert", cert.display(), e.to_string()))?;
         let (leaf, intermediates) = chain.split_first().expect("certificates() is never empty");
         let now = UnixTime::now();
         let not_ours = |role: &str, e: rustls::Error| {
@@ -141,6 +146,7 @@ impl PeerTls {
             cert_pem,
             key_pem,
             ca_pem,
+            data,
         })
     }
 

@@ -195,6 +195,11 @@ impl Agent {
                 metrics: metrics.clone(),
             })),
             tcp_connections: config.tcp_connections,
+            tls: config
+                .tls
+                .as_ref()
+                .filter(|_| config.tls_data_port)
+                .map(|t| t.data.clone()),
             batch_timeout: config.batch_timeout,
             max_batch_ops: config.max_batch_ops,
             cuda_path: config.cuda_path,

@@ -16,7 +16,9 @@ use kvfabric_proto::contract::TLS_SERVER_NAME;
 use kvfabric_testkit::{InProcessAgent, TestCa};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-const BLOCK: u64 = 4096;
+/// 1 MiB blocks: a pull of 16 spans several 4 MiB chunks on every connection, so the TLS relays
+/// run with full buffers both ways.
+const BLOCK: u64 = 1 << 20;
 const TOKEN: &str = "a-peer-token-of-the-fabric";
 
 /// A mounted Secret of `ca` for one agent.
@@ -195,6 +197,21 @@ async fn agents_of_one_ca_pull_and_an_agent_of_another_is_not_trusted() {
         assert_eq!(to[l..l + n], from[r..r + n], "op {o:?}");
     }
 
+    // And a push, bulk the other way: decode's block i over prefill's block i.
+    let push: Vec<Op> = (0..16)
+        .map(|i| Op {
+            local_region: 0,
+            local_offset: i * BLOCK,
+            remote_region: 0,
+            remote_offset: i * BLOCK,
+            len: BLOCK,
+        })
+        .collect();
+    decode.write(&d, "prefill-0", p.key, &push).await.unwrap();
+    // SAFETY: the batch completed.
+    let (from, to) = unsafe { (dst.as_slice(), src.as_slice()) };
+    assert!(from == to, "the pushed blocks differ");
+
     // An agent whose certificate and CA are another fabric's reaches nobody of this one.
     let (_dc, tls_c) = secret(&TestCa::new("another fabric"));
     let c = agent("node-c", &store, &tls_c).await;
@@ -213,5 +230,105 @@ async fn agents_of_one_ca_pull_and_an_agent_of_another_is_not_trusted() {
             .iter()
             .enumerate()
             .all(|(i, b)| *b == (i as u8).wrapping_mul(31))
+    );
+}
+
+/// What the data port sends a caller that dialled it with `config` (None: plain TCP) and sent
+/// 64 bytes that are no Hello: the plaintext it read, or the TLS error that ended it.
+fn data_port_says(
+    addr: std::net::SocketAddr,
+    config: Option<rustls::ClientConfig>,
+) -> Result<Vec<u8>, String> {
+    use std::io::{Read, Write};
+    let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let not_a_hello = [0x5au8; 64];
+    let mut got = Vec::new();
+    let Some(config) = config else {
+        tcp.write_all(&not_a_hello).unwrap();
+        let _ = tcp.read_to_end(&mut got);
+        return Ok(got);
+    };
+    let name = TLS_SERVER_NAME.try_into().unwrap();
+    let conn = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
+    let mut tls = rustls::StreamOwned::new(conn, tcp);
+    tls.write_all(&not_a_hello).map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 4096];
+    loop {
+        match tls.read(&mut buf) {
+            Ok(0) => return Ok(got),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if got.is_empty() => return Err(e.to_string()),
+            Err(_) => return Ok(got),
+        }
+    }
+}
+
+fn client_config(
+    ca: &TestCa,
+    identity: Option<&kvfabric_testkit::TestCert>,
+) -> rustls::ClientConfig {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(ca.pem().as_bytes()).unwrap())
+        .unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    match identity {
+        None => builder.with_no_client_auth(),
+        Some(c) => builder
+            .with_client_auth_cert(
+                vec![CertificateDer::from_pem_slice(c.cert_pem.as_bytes()).unwrap()],
+                PrivateKeyDer::from_pem_slice(c.key_pem.as_bytes()).unwrap(),
+            )
+            .unwrap(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_data_port_admits_only_tls_with_a_certificate_of_the_ca() {
+    let (ca, other) = (TestCa::new("fabric"), TestCa::new("stranger"));
+    let (_dir, tls) = secret(&ca);
+    let store = MemoryStore::new();
+    let a = agent("node-a", &store, &tls).await;
+    let data = a.ready.data;
+    let foreign = other.issue(&[TLS_SERVER_NAME]);
+    let ours = ca.issue(&[TLS_SERVER_NAME]);
+    let said = tokio::task::spawn_blocking(move || {
+        (
+            data_port_says(data, None),
+            data_port_says(data, Some(client_config(&ca, None))),
+            data_port_says(data, Some(client_config(&ca, Some(&foreign)))),
+            data_port_says(data, Some(client_config(&ca, Some(&ours)))),
+        )
+    })
+    .await
+    .unwrap();
+    // Plain TCP: at most a TLS alert record (type 21), nothing of the engine's.
+    let plain = said.0.unwrap();
+    assert!(
+        plain.is_empty() || plain[0] == 21,
+        "plain TCP got {plain:?}"
+    );
+    for (what, r) in [("no certificate", said.1), ("another CA's", said.2)] {
+        let e = r.expect_err(&format!("{what} was let through"));
+        assert!(e.contains("alert"), "{what}: {e}");
+    }
+    // Through TLS with the right certificate, the data secret's challenge–response still
+    // applies: a Hello that does not prove it gets the one generic refusal, nothing else.
+    let answer = said.3.expect("the right certificate passes TLS");
+    assert!(
+        !answer.is_empty(),
+        "the engine answered nothing through TLS"
+    );
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        !text.contains("node-a") && !text.contains("\"tcp\""),
+        "{text}"
     );
 }

@@ -425,6 +425,7 @@ impl Engine {
                         chunk_bytes: inner.config.chunk_bytes,
                         staging_bytes: inner.config.staging_bytes,
                         handshake_timeout: inner.config.handshake_timeout,
+                        tls: inner.config.tls.clone(),
                     };
                     let (link, d) = TcpLink::connect(addr, creds, opts)?;
                     (Box::new(link), d)

@@ -6,6 +6,7 @@
 pub mod auth;
 mod batch;
 pub mod cuda;
+mod data_tls;
 mod engine;
 mod engine_config;
 mod error;
@@ -29,6 +30,7 @@ mod transport_kind;
 pub use auth::DataSecret;
 pub use batch::{Batch, BatchHandle, BatchResult, Canceller};
 pub use cuda::{CudaExport, CudaPath, IpcHandle};
+pub use data_tls::DataTls;
 pub use engine::{Engine, EngineConfig, Peer, ServeObserver, ServedChunk};
 pub use error::{Error, ErrorKind, RemoteError, Result, Side};
 pub use frame::TraceContext;

@@ -40,7 +40,7 @@ pub mod env {
     pub const TLS_CERT: &str = "KVFABRIC_TLS_CERT";
     pub const TLS_KEY: &str = "KVFABRIC_TLS_KEY";
     pub const TLS_CA: &str = "KVFABRIC_TLS_CA";
-    /// TLS on the tcp data port too (refused: not implemented, see docs/agent.md).
+    /// With mTLS, TLS on the tcp data port too (`true`, the default, or `false`).
     pub const TLS_DATA_PORT: &str = "KVFABRIC_TLS_DATA_PORT";
     pub const LEASE_TTL_SECS: &str = "KVFABRIC_LEASE_TTL_SECS";
     pub const SOCKET_DIR: &str = "KVFABRIC_SOCKET_DIR";

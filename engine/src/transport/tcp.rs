@@ -105,6 +105,8 @@ pub(crate) struct TcpOptions {
     pub staging_bytes: u64,
     /// Connect and handshake, each connection, within this.
     pub handshake_timeout: Duration,
+    /// TLS to the target (through a relay thread: `tls_relay`).
+    pub tls: Option<crate::DataTls>,
 }
 
 impl TcpLink {
@@ -125,6 +127,10 @@ impl TcpLink {
             stream
                 .set_nodelay(true)
                 .map_err(|e| Error::io("set TCP_NODELAY", e))?;
+            if let Some(tls) = &opts.tls {
+                stream = super::tls_relay::client(stream, tls, deadline)
+                    .map_err(|e| Error::io(format!("tls to {peer}"), e))?;
+            }
             let until = &mut Until {
                 s: &mut stream,
                 deadline,
