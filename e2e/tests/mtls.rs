@@ -1,4 +1,4 @@
-//! mTLS on the peer API between agent processes in their own network namespaces, configured
+//! mTLS on the peer API and the tcp data port between agent processes in their own network namespaces, configured
 //! as the operator does it (`KVFABRIC_TLS_DIR` naming a mounted kubernetes.io/tls Secret): a
 //! decode worker pulls a prefill worker's blocks (every byte checked), a plain-TCP caller and
 //! an agent of another CA learn nothing and pull nothing.
