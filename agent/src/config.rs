@@ -14,6 +14,7 @@ use kvfabric_proto::limits::DEFAULT_MAX_BATCH_OPS;
 
 use crate::error::{Error, Result};
 use crate::node::check_segment_name;
+use crate::peer_tls::PeerTls;
 use crate::peer_token::PeerToken;
 use crate::registry::etcd::{EtcdConfig, EtcdTls};
 use crate::telemetry::TraceConfig;
@@ -61,6 +62,30 @@ pub struct AgentArgs {
     /// keys. Set it from a Secret (the operator does: `spec.peerTokenSecret`).
     #[arg(long, env = env::PEER_TOKEN, hide_env_values = true)]
     pub peer_token: Option<String>,
+
+    /// mTLS between agents (peer API): a directory with tls.crt, tls.key and ca.crt, as a
+    /// mounted kubernetes.io/tls Secret holds them (the operator mounts `spec.tlsSecret`). Or
+    /// name the three files with --tls-cert, --tls-key and --tls-ca. Off when unset.
+    #[arg(long, env = env::TLS_DIR)]
+    pub tls_dir: Option<PathBuf>,
+
+    /// This agent's certificate (PEM, chain first): presented to peers and served to them. It
+    /// must carry the DNS name `kvfabric-agent` and be valid for client and server use.
+    #[arg(long, env = env::TLS_CERT)]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The certificate's private key (PEM).
+    #[arg(long, env = env::TLS_KEY)]
+    pub tls_key: Option<PathBuf>,
+
+    /// The fabric's CA (PEM): peers must present a certificate it signed.
+    #[arg(long, env = env::TLS_CA)]
+    pub tls_ca: Option<PathBuf>,
+
+    /// With mTLS on, TLS on the tcp data port too (the same certificate and CA). Every agent
+    /// of a fabric must agree.
+    #[arg(long, env = env::TLS_DATA_PORT, default_value_t = true, action = clap::ArgAction::Set)]
+    pub tls_data_port: bool,
 
     /// Directory with ca.crt (and tls.crt + tls.key for a client certificate).
     #[arg(long, env = env::ETCD_TLS_DIR)]
@@ -192,6 +217,10 @@ pub struct AgentConfig {
     /// None: an in-memory registry (this agent alone, or agents of one process sharing a store).
     pub etcd: Option<EtcdConfig>,
     pub peer_token: Option<PeerToken>,
+    /// mTLS on the peer API; None: plain TCP.
+    pub tls: Option<PeerTls>,
+    /// With `tls`, TLS on the tcp data port too.
+    pub tls_data_port: bool,
     pub socket_dir: PathBuf,
     pub socket_group: Option<u32>,
     pub socket_mode: u32,
@@ -255,6 +284,7 @@ impl AgentArgs {
                     .map_err(|reason| Error::config("peer-token", "(hidden)", reason))
             })
             .transpose()?;
+        let tls = self.peer_tls()?;
         let etcd = if self.etcd_endpoints.is_empty() {
             None
         } else {
@@ -289,6 +319,8 @@ impl AgentArgs {
             pool_role: self.pool_role,
             etcd,
             peer_token,
+            tls,
+            tls_data_port: self.tls_data_port,
             socket_dir: self.socket_dir,
             socket_group: self.socket_group,
             socket_mode: self.socket_mode,
@@ -308,6 +340,37 @@ impl AgentArgs {
             trace: TraceConfig::resolve(self.otlp_endpoint, self.trace_sample_ratio),
             grace: Duration::from_secs(self.grace_secs),
         })
+    }
+
+    /// The TLS material, from `--tls-dir` or the three files (all or none of them).
+    fn peer_tls(&self) -> Result<Option<PeerTls>> {
+        let tls = match (&self.tls_dir, &self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(dir), None, None, None) => Some(PeerTls::from_dir(dir)?),
+            (Some(dir), ..) => {
+                return Err(Error::config(
+                    "tls-dir",
+                    dir.display(),
+                    "give tls-dir or the files tls-cert, tls-key, tls-ca, not both",
+                ));
+            }
+            (None, Some(cert), Some(key), Some(ca)) => Some(PeerTls::load(cert, key, ca)?),
+            (None, None, None, None) => None,
+            (None, cert, key, _) => {
+                let missing = if cert.is_none() {
+                    "tls-cert"
+                } else if key.is_none() {
+                    "tls-key"
+                } else {
+                    "tls-ca"
+                };
+                return Err(Error::config(
+                    missing,
+                    "(unset)",
+                    "tls-cert, tls-key and tls-ca go together (or give tls-dir)",
+                ));
+            }
+        };
+        Ok(tls)
     }
 }
 
@@ -333,6 +396,11 @@ impl AgentConfig {
                 }),
             ),
             "peer_token": self.peer_token.is_some(),
+            "tls": self.tls.as_ref().map(|t| serde_json::json!({
+                "cert": t.cert_path,
+                "ca": t.ca_path,
+                "data_port": self.tls_data_port,
+            })),
             "socket_dir": self.socket_dir,
             "socket_group": self.socket_group,
             "socket_mode": format!("{:o}", self.socket_mode),
@@ -362,6 +430,8 @@ impl AgentConfig {
             pool_role: None,
             etcd: None,
             peer_token: None,
+            tls: None,
+            tls_data_port: true,
             socket_dir: socket_dir.into(),
             socket_group: None,
             socket_mode: 0o660,
@@ -473,4 +543,196 @@ fn parse_ratio(s: &str) -> Result<f64, String> {
         Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
         _ => Err(format!("{s:?} is not a ratio between 0 and 1")),
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use clap::Parser;
+    use kvfabric_testkit::TestCa;
+    use kvfabric_testkit::tls::ExtendedKeyUsagePurpose;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: AgentArgs,
+    }
+
+    fn validate(flags: &[&str]) -> Result<AgentConfig> {
+        let mut argv = vec!["agent", "--name", "a"];
+        argv.extend_from_slice(flags);
+        Cli::try_parse_from(argv)
+            .expect("flags parse")
+            .args
+            .validate()
+    }
+
+    fn dir_flag(dir: &Path) -> Vec<String> {
+        vec!["--tls-dir".into(), dir.display().to_string()]
+    }
+
+    fn validate_dir(dir: &Path) -> Result<AgentConfig> {
+        let flags = dir_flag(dir);
+        validate(&flags.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
+    /// The field a configuration error names.
+    fn field(r: Result<AgentConfig>) -> (&'static str, String) {
+        match r {
+            Err(Error::Config { field, reason, .. }) => (field, reason),
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    fn secret_dir(ca: &TestCa, names: &[&str]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        ca.write_dir(dir.path(), &ca.issue(names)).unwrap();
+        dir
+    }
+
+    #[test]
+    fn tls_is_off_unless_asked_for() {
+        let config = validate(&[]).unwrap();
+        assert!(config.tls.is_none());
+        assert!(config.summary()["tls"].is_null());
+    }
+
+    #[test]
+    fn a_mounted_secret_is_read_and_checked() {
+        let ca = TestCa::new("ca");
+        let dir = secret_dir(&ca, &[TLS_NAME]);
+        let config = validate_dir(dir.path()).unwrap();
+        let tls = config.tls.as_ref().expect("tls on");
+        assert_eq!(tls.cert_path, dir.path().join("tls.crt"));
+        assert_eq!(
+            config.summary()["tls"]["ca"],
+            dir.path().join("ca.crt").display().to_string()
+        );
+        // The key is never printed.
+        let key = std::fs::read_to_string(dir.path().join("tls.key")).unwrap();
+        let printed = format!("{config:?}");
+        assert!(printed.contains("PeerTls"), "{printed}");
+        assert!(!printed.contains(key.lines().nth(1).unwrap()));
+    }
+
+    #[test]
+    fn the_three_files_may_be_named_one_by_one() {
+        let ca = TestCa::new("ca");
+        let dir = secret_dir(&ca, &[TLS_NAME]);
+        let p = |n: &str| dir.path().join(n).display().to_string();
+        let (c, k, a) = (p("tls.crt"), p("tls.key"), p("ca.crt"));
+        let config = validate(&["--tls-cert", &c, "--tls-key", &k, "--tls-ca", &a]).unwrap();
+        assert!(config.tls.is_some());
+        assert_eq!(
+            field(validate(&["--tls-cert", &c, "--tls-ca", &a])).0,
+            "tls-key"
+        );
+        assert_eq!(
+            field(validate(&["--tls-key", &k, "--tls-ca", &a])).0,
+            "tls-cert"
+        );
+        assert_eq!(
+            field(validate(&["--tls-cert", &c, "--tls-key", &k])).0,
+            "tls-ca"
+        );
+        let both = ["--tls-dir", &p(""), "--tls-ca", &a];
+        assert_eq!(field(validate(&both)).0, "tls-dir");
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let ca = TestCa::new("ca");
+        for name in ["tls.crt", "tls.key", "ca.crt"] {
+            let dir = secret_dir(&ca, &[TLS_NAME]);
+            std::fs::remove_file(dir.path().join(name)).unwrap();
+            let want = match name {
+                "tls.crt" => "tls-cert",
+                "tls.key" => "tls-key",
+                _ => "tls-ca",
+            };
+            assert_eq!(field(validate_dir(dir.path())).0, want, "without {name}");
+        }
+        assert_eq!(
+            field(validate_dir(Path::new("/nonexistent/tls"))).0,
+            "tls-dir"
+        );
+    }
+
+    #[test]
+    fn garbage_in_a_file_is_named() {
+        let ca = TestCa::new("ca");
+        for (name, want) in [
+            ("tls.crt", "tls-cert"),
+            ("tls.key", "tls-key"),
+            ("ca.crt", "tls-ca"),
+        ] {
+            let dir = secret_dir(&ca, &[TLS_NAME]);
+            std::fs::write(dir.path().join(name), "not PEM").unwrap();
+            assert_eq!(field(validate_dir(dir.path())).0, want, "garbage {name}");
+        }
+    }
+
+    #[test]
+    fn a_key_of_another_certificate_is_refused() {
+        let ca = TestCa::new("ca");
+        let dir = secret_dir(&ca, &[TLS_NAME]);
+        std::fs::write(dir.path().join("tls.key"), ca.issue(&[TLS_NAME]).key_pem).unwrap();
+        let (field, reason) = field(validate_dir(dir.path()));
+        assert_eq!(field, "tls-key");
+        assert!(reason.contains("does not match"), "{reason}");
+    }
+
+    #[test]
+    fn a_certificate_of_another_ca_is_refused() {
+        let (ca, other) = (TestCa::new("ca"), TestCa::new("other"));
+        let dir = tempfile::tempdir().unwrap();
+        other
+            .write_dir(dir.path(), &other.issue(&[TLS_NAME]))
+            .unwrap();
+        std::fs::write(dir.path().join("ca.crt"), ca.pem()).unwrap();
+        let (field, reason) = field(validate_dir(dir.path()));
+        assert_eq!(field, "tls-cert");
+        assert!(reason.contains("not a client certificate"), "{reason}");
+    }
+
+    #[test]
+    fn a_certificate_without_the_agents_name_or_a_usage_is_refused() {
+        let ca = TestCa::new("ca");
+        let dir = secret_dir(&ca, &["someone-else"]);
+        let (field, reason) = field(validate_dir(dir.path()));
+        assert_eq!(field, "tls-cert");
+        assert!(reason.contains(TLS_NAME), "{reason}");
+
+        let server_only = ca.issue_for(&[TLS_NAME], &[ExtendedKeyUsagePurpose::ServerAuth]);
+        ca.write_dir(dir.path(), &server_only).unwrap();
+        assert!(field_of(validate_dir(dir.path())).contains("client"));
+        let client_only = ca.issue_for(&[TLS_NAME], &[ExtendedKeyUsagePurpose::ClientAuth]);
+        ca.write_dir(dir.path(), &client_only).unwrap();
+        assert!(field_of(validate_dir(dir.path())).contains("server"));
+    }
+
+    fn field_of(r: Result<AgentConfig>) -> String {
+        let (field, reason) = field(r);
+        assert_eq!(field, "tls-cert");
+        reason
+    }
+
+    #[test]
+    fn the_data_port_follows_tls_unless_turned_off() {
+        let ca = TestCa::new("ca");
+        let dir = secret_dir(&ca, &[TLS_NAME]);
+        let mut flags = dir_flag(dir.path());
+        let on = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert!(on.tls_data_port);
+        assert_eq!(on.summary()["tls"]["data_port"], true);
+        flags.extend(["--tls-data-port".into(), "false".into()]);
+        let config = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert!(!config.tls_data_port);
+        assert_eq!(config.summary()["tls"]["data_port"], false);
+    }
+
+    const TLS_NAME: &str = kvfabric_proto::contract::TLS_SERVER_NAME;
 }

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod node;
 pub mod peer_api;
 pub mod peer_link;
+pub mod peer_tls;
 pub mod peer_token;
 pub mod readiness;
 pub mod registry;

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::fd_stash::FdStash;
 use crate::metrics::{LinkLabels, SharedMetrics, TransportLabels};
 use crate::peer_link;
+use crate::peer_tls::PeerTls;
 use crate::peer_token::PeerToken;
 use crate::registry::{AgentEntry, SegmentEntry, SegmentRegion, SharedRegistry};
 use crate::telemetry;
@@ -42,6 +43,8 @@ pub struct NodeConfig {
     pub connect_timeout: Duration,
     /// Presented to other agents' peer API and required of callers of ours.
     pub peer_token: Option<PeerToken>,
+    /// mTLS to other agents' peer API (None: plain TCP).
+    pub tls: Option<Arc<PeerTls>>,
 }
 
 /// Memory a worker registered: its regions in this agent's engine, under the worker's key.
@@ -836,6 +839,7 @@ impl Node {
             me: self.config.name.clone(),
             timeout: self.config.connect_timeout,
             token: self.config.peer_token.clone(),
+            tls: self.config.tls.clone(),
         }
     }
 

@@ -2,6 +2,7 @@
 //! descriptor, from which the engine opens data connections; for rdma, the connection's QPs are
 //! exchanged through it too (`PeerExchange`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvfabric_engine::{
@@ -11,6 +12,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request};
 
 use crate::error::{Error, Result};
+use crate::peer_tls::PeerTls;
 use crate::peer_token::PeerToken;
 use crate::registry::AgentEntry;
 use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
@@ -24,16 +26,39 @@ fn failure(agent: &AgentEntry, reason: String) -> Error {
     }
 }
 
-async fn dial(agent: &AgentEntry, timeout: Duration) -> Result<PeerAgentClient<Channel>> {
-    let endpoint = Endpoint::from_shared(format!("http://{}", agent.peer_addr))
+async fn dial(
+    agent: &AgentEntry,
+    timeout: Duration,
+    tls: Option<&PeerTls>,
+) -> Result<PeerAgentClient<Channel>> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{}", agent.peer_addr))
         .map_err(|e| failure(agent, e.to_string()))?
         .connect_timeout(timeout)
         .timeout(timeout);
+    if let Some(tls) = tls {
+        endpoint = endpoint
+            .tls_config(tls.client())
+            .map_err(|e| failure(agent, format!("tls: {e}")))?;
+    }
     let channel = endpoint
         .connect()
         .await
-        .map_err(|e| failure(agent, format!("connect: {e}")))?;
+        .map_err(|e| failure(agent, format!("connect: {}", error_chain(&e))))?;
     Ok(PeerAgentClient::new(channel))
+}
+
+/// tonic's connect error says only "transport error"; the cause (refused, a certificate the
+/// CA did not sign) is further down.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
 }
 
 /// How this agent calls other agents' peer API: as whom, for which fabric, with which token.
@@ -43,6 +68,7 @@ pub struct Caller {
     pub me: String,
     pub timeout: Duration,
     pub token: Option<PeerToken>,
+    pub tls: Option<Arc<PeerTls>>,
 }
 
 impl Caller {
@@ -57,7 +83,7 @@ impl Caller {
     /// The data-plane descriptor of `agent` (endpoints, no regions) and its engine's data secret.
     pub async fn handshake(&self, agent: &AgentEntry) -> Result<(SegmentDescriptor, DataSecret)> {
         let fail = |reason: String| failure(agent, reason);
-        let reply = dial(agent, self.timeout)
+        let reply = dial(agent, self.timeout, self.tls.as_deref())
             .await?
             .handshake(self.request(HandshakeRequest {
                 fabric: self.fabric.clone(),
@@ -85,7 +111,7 @@ impl Caller {
         segment: &str,
         key: u64,
     ) -> Result<Vec<RegionDesc>> {
-        let reply = dial(agent, self.timeout)
+        let reply = dial(agent, self.timeout, self.tls.as_deref())
             .await?
             .segment_access(self.request(SegmentAccessRequest {
                 fabric: self.fabric.clone(),
@@ -119,7 +145,7 @@ impl Caller {
         agent: &AgentEntry,
         offer: &ConnectInfo,
     ) -> Result<ConnectInfo> {
-        let reply = dial(agent, self.timeout)
+        let reply = dial(agent, self.timeout, self.tls.as_deref())
             .await?
             .rdma_connect(self.request(RdmaConnectRequest {
                 fabric: self.fabric.clone(),

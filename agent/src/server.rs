@@ -149,6 +149,17 @@ fn grpc_server() -> Server {
         .max_concurrent_streams(Some(256))
 }
 
+/// The peer API's server: with mTLS, a client certificate of the fabric's CA is required
+/// before the first byte of HTTP/2 is read (the token is checked after, on the headers).
+fn peer_server(config: &AgentConfig) -> Result<Server> {
+    match &config.tls {
+        None => Ok(grpc_server()),
+        Some(tls) => grpc_server()
+            .tls_config(tls.server())
+            .map_err(|e| Error::config("tls-cert", tls.cert_path.display(), e.to_string())),
+    }
+}
+
 fn advertise(config: &AgentConfig, devices: &discovery::Devices) -> IpAddr {
     config
         .advertise_addr
@@ -186,6 +197,11 @@ impl Agent {
                 metrics: metrics.clone(),
             })),
             tcp_connections: config.tcp_connections,
+            tls: config
+                .tls
+                .as_ref()
+                .filter(|_| config.tls_data_port)
+                .map(|t| t.data.clone()),
             batch_timeout: config.batch_timeout,
             max_batch_ops: config.max_batch_ops,
             cuda_path: config.cuda_path,
@@ -225,6 +241,7 @@ impl Agent {
                 max_batch_ops: config.max_batch_ops,
                 connect_timeout: config.connect_timeout,
                 peer_token: config.peer_token.clone(),
+                tls: config.tls.clone().map(Arc::new),
             },
             engine.clone(),
             registry.clone(),
@@ -287,7 +304,7 @@ impl Agent {
                     ),
             ),
             tokio::spawn(
-                grpc_server()
+                peer_server(&config)?
                     .layer(message_limit::layer(|_| MAX_PEER_REQUEST_BYTES))
                     .add_service(health_svc)
                     .add_service(peer_svc)

@@ -99,6 +99,11 @@ pub struct BenchArgs {
     #[arg(long, requires = "through_agent")]
     pub trace: bool,
 
+    /// With --through-agent: both agents with mTLS (peer API and tcp data port), certificates
+    /// of a throwaway CA, to measure what TLS costs.
+    #[arg(long, requires = "through_agent")]
+    pub tls: bool,
+
     /// Skip the single-block latency row of the default run.
     #[arg(long)]
     pub no_latency: bool,

@@ -159,11 +159,21 @@ pub async fn run(
 
     // Through two agents.
     let store = MemoryStore::new();
+    let tls_dir = tempfile::tempdir().map_err(|e| Error::io("tls dir", e))?;
+    let tls = if args.tls {
+        let ca = kvfabric_testkit::TestCa::new("kvfabric bench");
+        let name = kvfabric_proto::contract::TLS_SERVER_NAME;
+        ca.write_dir(tls_dir.path(), &ca.issue(&[name]))?;
+        Some(kvfabric_agent::peer_tls::PeerTls::from_dir(tls_dir.path())?)
+    } else {
+        None
+    };
     let config = |name: &str| {
         let mut c = InProcessAgent::config(name);
         c.fabric = "bench".into();
         c.transports = vec![TransportKind::Tcp];
         c.tcp_connections = args.connections;
+        c.tls = tls.clone();
         c
     };
     let a =

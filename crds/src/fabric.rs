@@ -75,6 +75,14 @@ pub struct TransferFabricSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer_token_secret: Option<String>,
 
+    /// `kubernetes.io/tls` Secret with `tls.crt`, `tls.key` and `ca.crt` (cert-manager writes
+    /// these): mTLS on the agents' peer API and tcp data port. The certificate must name
+    /// `kvfabric-agent` (a DNS subject alternative name) and allow client and server use; agents
+    /// admit only peers whose certificate the CA signed. With it the probes ask `/livez` and `/healthz` on the metrics
+    /// port (the kubelet's gRPC probe cannot present a certificate). Off when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_secret: Option<String>,
+
     /// OpenTelemetry export from the agents; off when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tracing: Option<TracingSpec>,

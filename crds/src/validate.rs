@@ -356,6 +356,7 @@ mod tests {
                 ..EtcdSpec::default()
             },
             peer_token_secret: None,
+            tls_secret: None,
             tracing: None,
         }
     }

@@ -246,6 +246,7 @@ fn patterns_agree_with_the_operator_checks() {
             ..EtcdSpec::default()
         },
         peer_token_secret: None,
+        tls_secret: None,
         tracing: None,
     };
     for v in [

@@ -428,6 +428,7 @@ impl Engine {
                         staging_bytes: inner.config.staging_bytes,
                         handshake_timeout: inner.config.handshake_timeout,
                         busy_poll: inner.config.spin_wait,
+                        tls: inner.config.tls.clone(),
                     };
                     let (link, d) = TcpLink::connect(addr, creds, opts)?;
                     (Box::new(link), d)

@@ -91,6 +91,8 @@ pub struct EngineConfig {
     /// closed to make room: a flood of callers that never speak cannot keep a peer that does
     /// out (its handshake takes one round trip). Default 32.
     pub max_unauthenticated: usize,
+    /// TLS on the tcp data port, both ways (None: plain TCP). Peers must agree.
+    pub tls: Option<crate::DataTls>,
 }
 
 impl Default for EngineConfig {
@@ -114,6 +116,7 @@ impl Default for EngineConfig {
             cuda_push_by_peer: true,
             observer: None,
             staging_bytes: 2 * (4 << 20),
+            tls: None,
             rdma: RdmaConfig::default(),
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),

@@ -5,13 +5,14 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapEnvSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvFromSource, EnvVar, EnvVarSource, GRPCAction, HostPathVolumeSource, LocalObjectReference,
-    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceClaim,
-    ResourceRequirements, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext,
-    Volume, VolumeMount,
+    EnvFromSource, EnvVar, EnvVarSource, GRPCAction, HTTPGetAction, HostPathVolumeSource,
+    LocalObjectReference, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    ResourceClaim, ResourceRequirements, SeccompProfile, SecretKeySelector, SecretVolumeSource,
+    SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvfabric_crds::{Pool, TransferFabric};
 
 use crate::Result;
@@ -129,6 +130,9 @@ fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
     if let Some(secret) = &fabric.spec.peer_token_secret {
         env.push(secret_env(e::PEER_TOKEN, secret, "token"));
     }
+    if fabric.spec.tls_secret.is_some() {
+        env.push(value_env(e::TLS_DIR, contract::TLS_MOUNT));
+    }
     // Reserved names were refused by the spec checks, so the user's list only adds.
     env.extend(agent.env.iter().cloned());
     env
@@ -186,12 +190,43 @@ fn mount(volume: &str, path: &str, read_only: bool) -> VolumeMount {
     }
 }
 
-fn grpc_probe(service: &str, period: i32, failures: i32) -> Probe {
-    Probe {
-        grpc: Some(GRPCAction {
+/// The agent's health, as the kubelet asks it. The gRPC health service on the peer port, unless
+/// that port requires a client certificate (mTLS), which the kubelet's gRPC probe cannot present:
+/// then the metrics port's `/livez` and `/healthz`, which answer the same questions.
+#[derive(Clone, Copy)]
+enum Health {
+    /// The process serves (startup, liveness).
+    Live,
+    /// In the registry and not draining (readiness).
+    Ready,
+}
+
+fn probe(fabric: &TransferFabric, health: Health, period: i32, failures: i32) -> Probe {
+    let (grpc, http_get) = if fabric.spec.tls_secret.is_some() {
+        let path = match health {
+            Health::Live => "/livez",
+            Health::Ready => "/healthz",
+        };
+        let get = HTTPGetAction {
+            path: Some(path.to_owned()),
+            port: IntOrString::Int(contract::METRICS_PORT),
+            ..HTTPGetAction::default()
+        };
+        (None, Some(get))
+    } else {
+        let service = match health {
+            Health::Live => contract::LIVE_SERVICE,
+            Health::Ready => contract::READY_SERVICE,
+        };
+        let grpc = GRPCAction {
             port: contract::GRPC_PORT,
             service: (!service.is_empty()).then(|| service.to_owned()),
-        }),
+        };
+        (Some(grpc), None)
+    };
+    Probe {
+        grpc,
+        http_get,
         period_seconds: Some(period),
         timeout_seconds: Some(5),
         failure_threshold: Some(failures),
@@ -221,6 +256,9 @@ fn agent_container(
     if fabric.spec.etcd.tls_secret.is_some() {
         mounts.push(mount("etcd-tls", contract::ETCD_TLS_MOUNT, true));
     }
+    if fabric.spec.tls_secret.is_some() {
+        mounts.push(mount("agent-tls", contract::TLS_MOUNT, true));
+    }
     let add = runs_as_root(fabric).then(|| vec!["IPC_LOCK".to_owned()]);
     Container {
         name: AGENT_CONTAINER.to_owned(),
@@ -243,9 +281,9 @@ fn agent_container(
         ]),
         // Up to a minute to bind and start serving; then a hung server is restarted, while an
         // agent that lost etcd or is draining only leaves the endpoints.
-        startup_probe: Some(grpc_probe(contract::LIVE_SERVICE, 2, 30)),
-        liveness_probe: Some(grpc_probe(contract::LIVE_SERVICE, 10, 3)),
-        readiness_probe: Some(grpc_probe(contract::READY_SERVICE, 5, 2)),
+        startup_probe: Some(probe(fabric, Health::Live, 2, 30)),
+        liveness_probe: Some(probe(fabric, Health::Live, 10, 3)),
+        readiness_probe: Some(probe(fabric, Health::Ready, 5, 2)),
         resources: resources(fabric),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
@@ -344,15 +382,20 @@ pub fn desired_daemonset(
             ..Volume::default()
         },
     ];
-    if let Some(secret) = &fabric.spec.etcd.tls_secret {
-        volumes.push(Volume {
-            name: "etcd-tls".to_owned(),
-            secret: Some(SecretVolumeSource {
-                secret_name: Some(secret.clone()),
-                ..SecretVolumeSource::default()
-            }),
-            ..Volume::default()
-        });
+    for (volume, secret) in [
+        ("etcd-tls", &fabric.spec.etcd.tls_secret),
+        ("agent-tls", &fabric.spec.tls_secret),
+    ] {
+        if let Some(secret) = secret {
+            volumes.push(Volume {
+                name: volume.to_owned(),
+                secret: Some(SecretVolumeSource {
+                    secret_name: Some(secret.clone()),
+                    ..SecretVolumeSource::default()
+                }),
+                ..Volume::default()
+            });
+        }
     }
     let user = agent_user(fabric);
     let pod = PodSpec {
@@ -628,6 +671,64 @@ mod tests {
                 .iter()
                 .any(|v| v.name == "etcd-tls")
         );
+    }
+
+    #[test]
+    fn a_tls_secret_is_mounted_read_only_and_the_probes_move_to_the_metrics_port() {
+        let mut f = full();
+        f.spec.tls_secret = Some("kvfabric-agent-tls".into());
+        let ds = build(&f, 0);
+        let c = agent(&ds);
+        assert_eq!(
+            env_value(c, "KVFABRIC_TLS_DIR").and_then(|e| e.value.as_deref()),
+            Some(contract::TLS_MOUNT)
+        );
+        let m = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "agent-tls")
+            .expect("tls mount");
+        assert_eq!(
+            (m.mount_path.as_str(), m.read_only),
+            (contract::TLS_MOUNT, Some(true))
+        );
+        let pod = ds
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .unwrap();
+        let v = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "agent-tls")
+            .expect("tls volume");
+        assert_eq!(
+            v.secret.as_ref().and_then(|s| s.secret_name.as_deref()),
+            Some("kvfabric-agent-tls")
+        );
+        let http = |p: &Option<Probe>| {
+            let p = p.as_ref().expect("probe");
+            assert!(p.grpc.is_none(), "a gRPC probe cannot pass mTLS");
+            let get = p.http_get.clone().expect("http probe");
+            assert_eq!(get.port, IntOrString::Int(contract::METRICS_PORT));
+            get.path.unwrap_or_default()
+        };
+        assert_eq!(http(&c.readiness_probe), "/healthz");
+        assert_eq!(http(&c.liveness_probe), "/livez");
+        assert_eq!(http(&c.startup_probe), "/livez");
+        // Without the Secret: none of it.
+        let plain = build(&full(), 0);
+        let c = agent(&plain);
+        assert!(env_value(c, "KVFABRIC_TLS_DIR").is_none());
+        assert!(
+            c.volume_mounts
+                .iter()
+                .flatten()
+                .all(|m| m.name != "agent-tls")
+        );
+        assert!(c.readiness_probe.as_ref().unwrap().http_get.is_none());
     }
 
     #[test]

@@ -123,6 +123,7 @@ pub fn full() -> TransferFabric {
                 key_prefix: "/kvfabric".into(),
             },
             peer_token_secret: Some("kvfabric-peer-token".into()),
+            tls_secret: None,
             tracing: Some(TracingSpec {
                 otlp_endpoint: Some("http://otel-collector:4317".into()),
                 sample_ratio: 0.25,

@@ -339,7 +339,8 @@ fn check_uninstall_job(j: &Job, what: &str) {
 }
 
 /// An agent DaemonSet from `kvfabric-operator render`: only the operator's own image and host
-/// paths under the socket root, probes on gRPC health, capabilities only with RDMA.
+/// paths under the socket root, probes on gRPC health (HTTP on the metrics port with mTLS),
+/// capabilities only with RDMA.
 fn check_agent_daemonset(d: &DaemonSet, what: &str) {
     let pod = pod_spec_of(d.spec.as_ref().and_then(|s| s.template.spec.as_ref()), what);
     for v in pod.volumes.iter().flatten() {
@@ -358,20 +359,30 @@ fn check_agent_daemonset(d: &DaemonSet, what: &str) {
         Some(kvfabric_operator::config::DEFAULT_AGENT_IMAGE),
         "{what}"
     );
-    let probe = agent.readiness_probe.as_ref().and_then(|p| p.grpc.as_ref());
-    assert_eq!(
-        probe.and_then(|g| g.service.as_deref()),
-        Some("kvfabric.v1.PeerAgent"),
-        "{what}"
-    );
-    assert!(
-        agent
-            .liveness_probe
-            .as_ref()
-            .and_then(|p| p.grpc.as_ref())
-            .is_some(),
-        "{what}"
-    );
+    // With mTLS on the peer port (the TLS Secret's directory set), the kubelet cannot pass its
+    // gRPC probe: health is asked on the metrics port.
+    let mtls = agent
+        .env
+        .iter()
+        .flatten()
+        .any(|e| e.name == "KVFABRIC_TLS_DIR");
+    let ready = agent.readiness_probe.as_ref().expect("readiness probe");
+    let live = agent.liveness_probe.as_ref().expect("liveness probe");
+    if mtls {
+        let get = |p: &k8s_openapi::api::core::v1::Probe| {
+            assert!(p.grpc.is_none(), "{what}: gRPC probe on the mTLS port");
+            p.http_get.as_ref().and_then(|g| g.path.clone())
+        };
+        assert_eq!(get(ready).as_deref(), Some("/healthz"), "{what}");
+        assert_eq!(get(live).as_deref(), Some("/livez"), "{what}");
+    } else {
+        assert_eq!(
+            ready.grpc.as_ref().and_then(|g| g.service.as_deref()),
+            Some("kvfabric.v1.PeerAgent"),
+            "{what}"
+        );
+        assert!(live.grpc.is_some(), "{what}");
+    }
     let sc = agent.security_context.as_ref().expect("securityContext");
     assert_eq!(sc.allow_privilege_escalation, Some(false), "{what}");
     let caps = sc.capabilities.as_ref().expect("capabilities");

@@ -34,6 +34,14 @@ pub mod env {
     /// Directory with `ca.crt`, `tls.crt`, `tls.key`.
     pub const ETCD_TLS_DIR: &str = "KVFABRIC_ETCD_TLS_DIR";
     pub const PEER_TOKEN: &str = "KVFABRIC_PEER_TOKEN";
+    /// mTLS between agents: a directory holding `tls.crt`, `tls.key` and `ca.crt` (a mounted
+    /// `kubernetes.io/tls` Secret), or the three files named one by one.
+    pub const TLS_DIR: &str = "KVFABRIC_TLS_DIR";
+    pub const TLS_CERT: &str = "KVFABRIC_TLS_CERT";
+    pub const TLS_KEY: &str = "KVFABRIC_TLS_KEY";
+    pub const TLS_CA: &str = "KVFABRIC_TLS_CA";
+    /// With mTLS, TLS on the tcp data port too (`true`, the default, or `false`).
+    pub const TLS_DATA_PORT: &str = "KVFABRIC_TLS_DATA_PORT";
     pub const LEASE_TTL_SECS: &str = "KVFABRIC_LEASE_TTL_SECS";
     pub const SOCKET_DIR: &str = "KVFABRIC_SOCKET_DIR";
     /// Numeric group id the agent gives its sockets.
@@ -73,7 +81,7 @@ pub mod env {
     pub const CUDA_CACHE_PATH: &str = "CUDA_CACHE_PATH";
 
     /// Every name the operator may set.
-    pub const RESERVED: [&str; 26] = [
+    pub const RESERVED: [&str; 27] = [
         NODE_NAME,
         POD_IP,
         POD_NAME,
@@ -97,6 +105,7 @@ pub mod env {
         ETCD_PASSWORD,
         ETCD_TLS_DIR,
         PEER_TOKEN,
+        TLS_DIR,
         NVIDIA_VISIBLE_DEVICES,
         NVIDIA_DRIVER_CAPABILITIES,
         CUDA_CACHE_PATH,
@@ -123,6 +132,12 @@ pub const LIVE_SERVICE: &str = "";
 pub const TMP_DIR: &str = "/tmp";
 /// Where the etcd TLS Secret is mounted.
 pub const ETCD_TLS_MOUNT: &str = "/etc/kvfabric/etcd-tls";
+/// Where the agent's own certificate (`TransferFabric.spec.tlsSecret`) is mounted.
+pub const TLS_MOUNT: &str = "/etc/kvfabric/tls";
+/// The DNS name every agent's certificate carries (a subject alternative name) and that agents
+/// verify when they dial each other: agents are dialled by pod IP, which one shared certificate
+/// cannot list.
+pub const TLS_SERVER_NAME: &str = "kvfabric-agent";
 /// Path of the `kvfabric` binary in the agent image.
 pub const AGENT_BINARY: &str = "/usr/local/bin/kvfabric";
 /// Path of the socket directory helper in the agent image.

@@ -9,8 +9,10 @@ mod error;
 pub mod etcd;
 pub mod otlp;
 pub mod skip;
+pub mod tls;
 
 #[cfg(feature = "agent")]
 pub use agent::InProcessAgent;
 pub use error::{Error, Result};
 pub use etcd::EtcdServer;
+pub use tls::{TestCa, TestCert};

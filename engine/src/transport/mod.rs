@@ -28,6 +28,7 @@ pub(crate) mod staging;
 pub(crate) mod target;
 pub(crate) mod tcp;
 pub(crate) mod tcp_server;
+pub(crate) mod tls_relay;
 
 /// One contiguous piece of a batch after coalescing and bounds checks: the local bytes and the
 /// remote place they go to or come from.

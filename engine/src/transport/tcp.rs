@@ -172,6 +172,8 @@ pub(crate) struct TcpOptions {
     /// A batch run on the caller's thread polls its socket this long before it sleeps
     /// (`EngineConfig::spin_wait`).
     pub busy_poll: Duration,
+    /// TLS to the target (through a relay thread: `tls_relay`).
+    pub tls: Option<crate::DataTls>,
 }
 
 impl TcpLink {
@@ -192,6 +194,10 @@ impl TcpLink {
             stream
                 .set_nodelay(true)
                 .map_err(|e| Error::io("set TCP_NODELAY", e))?;
+            if let Some(tls) = &opts.tls {
+                stream = super::tls_relay::client(stream, tls, deadline)
+                    .map_err(|e| Error::io(format!("tls to {peer}"), e))?;
+            }
             let until = &mut Until {
                 s: &mut stream,
                 deadline,

@@ -48,6 +48,16 @@ pub(crate) fn serve_conn(
     peer: String,
     admission: Admission<TcpStream>,
 ) {
+    if let Some(tls) = &target.config.tls {
+        let deadline = std::time::Instant::now() + target.config.handshake_timeout;
+        match super::tls_relay::server(stream, tls, deadline) {
+            Ok(plain) => stream = plain,
+            Err(e) => {
+                debug!(%peer, error = %e, "tls handshake refused");
+                return;
+            }
+        }
+    }
     if handshake::accept(
         &mut stream,
         &peer,
