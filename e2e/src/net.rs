@@ -90,13 +90,12 @@ impl Network {
             return Err("not root".into());
         }
         // Unique per process and test, so tests can run in parallel (names ≤ 15 chars).
-        let id = format!(
-            "{:x}{}",
-            std::process::id() % 0xffff,
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
+        // One number per network, taken once: tests that build networks at the same time must
+        // not share a subnet (two bridges on one /24 route each other's packets away).
+        let seq = NEXT.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{:x}{seq}", std::process::id() % 0xffff);
         let subnet = (std::process::id() % 200 + 20) as u8;
-        let third = (NEXT.load(Ordering::Relaxed) % 250) as u8;
+        let third = (seq % 250) as u8;
         let bridge = format!("kvb{id}");
         let gateway = Ipv4Addr::new(10, subnet, third, 1);
         let mut net = Network {

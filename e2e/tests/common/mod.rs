@@ -78,8 +78,9 @@ pub async fn serving(agent: &AgentProcess, before: u64, limit: Duration) -> u64 
         }
         assert!(
             start.elapsed() < limit,
-            "{} served nothing within {limit:?}",
-            agent.name
+            "{} served nothing within {limit:?} (before {before}, now {now}); log:\n{}",
+            agent.name,
+            agent.log()
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
