@@ -79,6 +79,11 @@ pub enum Error {
         reason: String,
     },
 
+    /// The batch's deadline passed before its data moved (while dialling the peer, or asking it
+    /// for the segment's regions).
+    #[error("batch deadline of {millis} ms passed while {during}")]
+    Deadline { during: &'static str, millis: u64 },
+
     /// A local client's HTTP/2 byte stream that cannot be parsed; its connection is closed.
     #[error("malformed HTTP/2 from a local client: {0}")]
     Http2(crate::authority::Http2Fault),
@@ -134,6 +139,7 @@ impl Error {
             Error::UnknownAgent { .. } => "unknown_agent",
             Error::Exhausted { .. } => "exhausted",
             Error::PeerAgent { .. } => "peer_agent",
+            Error::Deadline { .. } => "timeout",
             Error::Http2(_) => "http2",
             Error::Io { .. } => "io",
         }

@@ -264,22 +264,29 @@ impl Node {
             ));
         }
         let _one_at_a_time = self.registrations.lock().await;
-        if let Some(owner) = self.registry.segment(name) {
-            return Err(Error::SegmentExists {
-                name: name.into(),
-                agent: owner.agent,
-            });
-        }
-        if self
+        let held_here = self
             .segments
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .contains_key(name)
-        {
-            return Err(Error::SegmentExists {
-                name: name.into(),
-                agent: self.config.name.clone(),
-            });
+            .contains_key(name);
+        match self.registry.segment(name) {
+            // An entry naming this agent for a segment this process does not hold was left by
+            // the agent's previous life (killed, its lease not yet expired): only this agent
+            // serves under its name, so the worker's registration takes its place at once.
+            Some(owner) if owner.agent == self.config.name && !held_here => {}
+            Some(owner) => {
+                return Err(Error::SegmentExists {
+                    name: name.into(),
+                    agent: owner.agent,
+                });
+            }
+            None if held_here => {
+                return Err(Error::SegmentExists {
+                    name: name.into(),
+                    agent: self.config.name.clone(),
+                });
+            }
+            None => {}
         }
         let key = if key == 0 {
             AccessKey::random()
@@ -565,10 +572,22 @@ impl Node {
                 BatchOps::Table(table)
             }
         };
-        let link = self.link(&remote, gpu_only).await?;
+        // The batch's deadline bounds all of it: a dial to a peer that does not answer ends
+        // when the batch would have, not after the connect timeout.
+        let budget = t.timeout.unwrap_or(self.config.batch_timeout);
+        let deadline = tokio::time::Instant::now() + budget;
+        let late = |during| Error::Deadline {
+            during,
+            millis: budget.as_millis() as u64,
+        };
+        let link = tokio::time::timeout_at(deadline, self.link(&remote, gpu_only))
+            .await
+            .map_err(|_| late("connecting to the peer agent"))??;
         span.record("kvfabric.transport", link.peer.transport().to_string());
         span.record("kvfabric.transport.reason", link.reason.as_str());
-        self.learn_segment(&link, &remote, t.remote_key).await?;
+        tokio::time::timeout_at(deadline, self.learn_segment(&link, &remote, t.remote_key))
+            .await
+            .map_err(|_| late("asking the peer agent for the segment's regions"))??;
         let wrong = |r: &SegmentRegion| {
             link.peer
                 .region_key(r.id)
@@ -598,7 +617,10 @@ impl Node {
                 .with_checksum(t.checksum)
                 .with_remote_key(AccessKey(t.remote_key));
             batch.trace = telemetry::current_trace();
-            batch.timeout = Some(t.timeout.unwrap_or(self.config.batch_timeout));
+            // What is left of the batch's deadline (at least 1 ms: the engine's own timeout
+            // then reports it).
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            batch.timeout = Some(left.max(Duration::from_millis(1)));
             let done = match link.peer.submit(batch) {
                 Ok(handle) => handle.wait().await,
                 Err(e) => Err(e),

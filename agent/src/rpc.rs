@@ -15,6 +15,7 @@ impl From<Error> for Status {
             Error::PeerAgent { .. }
             | Error::Registry { .. }
             | Error::RegistryUnavailable { .. } => Code::Unavailable,
+            Error::Deadline { .. } => Code::DeadlineExceeded,
             Error::Engine(engine) => kvfabric_proto::code::engine_code(engine),
             _ => Code::Internal,
         };
