@@ -10,7 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::TryStreamExt;
 use kvfabric_engine::{
@@ -130,6 +130,52 @@ pub struct Agent {
     fd_task: JoinHandle<()>,
     data_tasks: Vec<JoinHandle<kvfabric_engine::Result<()>>>,
     metrics_task: JoinHandle<std::io::Result<()>>,
+    /// When the data plane last served a chunk to a peer.
+    served: Arc<LastServed>,
+}
+
+/// How long the data plane must have served nothing before a draining agent takes its memory
+/// away: a peer's batch is many chunks over several connections, and between two chunks no
+/// region is leased, so "no chunk being served" alone is not "no batch in flight".
+const DRAIN_QUIET: Duration = Duration::from_secs(1);
+
+/// When the data plane last served a chunk (a peer's batch in flight keeps it recent).
+#[derive(Debug)]
+struct LastServed {
+    since: Instant,
+    millis: std::sync::atomic::AtomicU64,
+}
+
+impl LastServed {
+    fn new() -> Self {
+        LastServed {
+            since: Instant::now(),
+            millis: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        // + 1: 0 stays "never".
+        let now = self.since.elapsed().as_millis() as u64 + 1;
+        self.millis
+            .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Waits until nothing was served for `quiet` (returns at once if nothing was served that
+    /// recently).
+    async fn quiet_for(&self, quiet: Duration) {
+        loop {
+            let last = self.millis.load(std::sync::atomic::Ordering::Relaxed);
+            let idle = self
+                .since
+                .elapsed()
+                .saturating_sub(Duration::from_millis(last));
+            if last == 0 || idle >= quiet {
+                return;
+            }
+            tokio::time::sleep(quiet - idle).await;
+        }
+    }
 }
 
 /// Most connections each gRPC server keeps open at once.
@@ -189,12 +235,14 @@ impl Agent {
             .map_err(|e| Error::io("device discovery", std::io::Error::other(e)))?;
         let advertise = advertise(&config, &devices);
         let metrics: SharedMetrics = Arc::new(Metrics::new(&telemetry.counters));
+        let served = Arc::new(LastServed::new());
         let engine = Engine::new(EngineConfig {
             name: format!("agent-{name}"),
             observer: Some(Arc::new(ServedSpans {
                 agent: name.clone(),
                 tracing: telemetry.tracing_enabled(),
                 metrics: metrics.clone(),
+                last: served.clone(),
             })),
             tcp_connections: config.tcp_connections,
             tls: config
@@ -372,6 +420,7 @@ impl Agent {
             fd_task,
             data_tasks,
             metrics_task,
+            served,
         })
     }
 
@@ -387,8 +436,21 @@ impl Agent {
         info!(?grace, "draining");
         self.follow.abort();
         self.readiness.drain().await;
+        let draining = tokio::time::Instant::now();
         if let Err(e) = tokio::time::timeout(grace, self.registry.shutdown()).await {
             warn!(error = %e, "registry shutdown timed out");
+        }
+        // Peers no longer find this agent; batches they started still pull from its memory,
+        // which the steps below release (workers' connections close with the local API).
+        let left = grace.saturating_sub(draining.elapsed());
+        if tokio::time::timeout(left, self.served.quiet_for(DRAIN_QUIET))
+            .await
+            .is_err()
+        {
+            warn!(
+                ?grace,
+                "peers were still pulling at the end of the grace period"
+            );
         }
         let _ = self.api_stop.send(true);
         let node = self.node.clone();
@@ -468,10 +530,12 @@ struct ServedSpans {
     agent: String,
     tracing: bool,
     metrics: SharedMetrics,
+    last: Arc<LastServed>,
 }
 
 impl ServeObserver for ServedSpans {
     fn served(&self, c: &ServedChunk<'_>) {
+        self.last.touch();
         if c.error.is_none() {
             self.metrics
                 .served_bytes

@@ -32,6 +32,8 @@ struct Setup {
     etcd: EtcdServer,
     prefill_agent: AgentProcess,
     decode_agent: AgentProcess,
+    /// The prefill worker's connection: its segment lives as long as this does.
+    _prefill: Client,
     decode: Client,
     ds: kvfabric_client::Segment,
     key: u64,
@@ -76,6 +78,7 @@ async fn setup() -> Option<Setup> {
         etcd,
         prefill_agent,
         decode_agent,
+        _prefill: prefill,
         decode,
         ds,
         key: ps.key,
