@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvfabric_client::{Client, HostMemory, Op};
+use kvfabric_client::{BlockTable, Client, HostMemory, Plane, PlaneSide, SubmitOptions, pb};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -37,16 +37,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .await?,
         );
     }
-    // Reversed block order: the agent cannot coalesce the batch into one copy.
-    let ops: Vec<Op> = (0..blocks)
-        .map(|i| Op {
-            local_region: 0,
-            local_offset: i * block,
-            remote_region: 0,
-            remote_offset: (blocks - 1 - i) * block,
-            len: block,
-        })
-        .collect();
+    // The batch the binding's bench sends: one plane of whole blocks, block ids reversed (the
+    // agent cannot coalesce the batch into one copy), as a block table.
+    let side = PlaneSide {
+        region: 0,
+        base: 0,
+        stride: block,
+    };
+    let table = BlockTable {
+        planes: vec![Plane {
+            local: side,
+            remote: side,
+            block_bytes: block,
+        }],
+        local_blocks: (0..blocks as u32).collect(),
+        remote_blocks: (0..blocks as u32).rev().collect(),
+    };
     let mut lines = std::io::stdin().lines();
     while let Some(line) = lines.next().transpose()? {
         let seconds: f64 = line.trim().parse()?;
@@ -54,11 +60,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let start = Instant::now();
         let mut tasks = Vec::new();
         for seg in segs.clone() {
-            let (agent, ops, key) = (dst_agent.clone(), ops.clone(), p.key);
+            let (agent, table, key) = (dst_agent.clone(), table.clone(), p.key);
             tasks.push(tokio::spawn(async move {
                 let (mut n, mut bytes) = (0u64, 0u64);
                 while Instant::now() < deadline {
-                    bytes += agent.read(&seg, "rust-bench-src", key, &ops).await?.bytes;
+                    let read = pb::Opcode::Read;
+                    let options = SubmitOptions::default();
+                    let done = agent
+                        .submit_blocks(&seg, "rust-bench-src", key, read, &table, options)
+                        .await?;
+                    bytes += done.bytes;
                     n += 1;
                 }
                 Ok::<_, kvfabric_client::Error>((n, bytes))
