@@ -21,7 +21,7 @@ use std::task::{Context, Poll, ready};
 use bytes::{Buf, BytesMut};
 use loona_hpack::decoder::DecoderError;
 use loona_hpack::{Decoder, Encoder};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, ReadBuf};
 use tonic::transport::server::Connected;
 
 use crate::Error;
@@ -467,31 +467,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for AuthorityRewrite<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for AuthorityRewrite<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-}
+crate::write_through::write_through!(AuthorityRewrite);
 
 impl<T: Connected> Connected for AuthorityRewrite<T> {
     type ConnectInfo = T::ConnectInfo;

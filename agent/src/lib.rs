@@ -25,6 +25,7 @@ pub mod rpc;
 pub mod server;
 pub mod status;
 pub mod telemetry;
+mod write_through;
 
 pub use config::{AgentArgs, AgentConfig};
 pub use error::{Error, Result};

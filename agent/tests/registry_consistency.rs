@@ -60,27 +60,10 @@ fn check<T>(what: &str, r: kvfabric_client::Result<T>) -> Option<T> {
 }
 
 async fn etcd_segments(etcd: &EtcdServer, root: &str) -> BTreeSet<String> {
-    let mut kv = etcd.client().await.unwrap();
     let prefix = format!("{root}segments/");
-    let resp = kv
-        .get(
-            prefix.clone(),
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_keys_only(),
-            ),
-        )
-        .await
-        .unwrap();
-    resp.kvs()
-        .iter()
-        .map(|kv| {
-            kv.key_str()
-                .unwrap()
-                .trim_start_matches(&prefix)
-                .to_string()
-        })
+    let keys = etcd.keys(&prefix).await.unwrap();
+    keys.iter()
+        .map(|k| k.trim_start_matches(&prefix).to_string())
         .collect()
 }
 

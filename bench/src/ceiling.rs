@@ -293,38 +293,16 @@ pub fn memcpy_scattered(
     let blocks = src.len().min(dst.len()) / block;
     let threads = threads.clamp(1, blocks.max(1));
     let mine = blocks / threads;
-    let span = Duration::from_secs_f64(secs);
-    let start = Instant::now();
-    let moved: u64 = std::thread::scope(|scope| {
-        let workers: Vec<_> = dst[..mine * threads * block]
-            .chunks_mut(mine * block)
-            .enumerate()
-            .map(|(t, share)| {
-                scope.spawn(move || {
-                    let mut rng = SmallRng::seed_from_u64(11 + t as u64);
-                    let mut moved = 0u64;
-                    while start.elapsed() < span {
-                        for _ in 0..per_batch {
-                            let s = rng.random_range(0..blocks) * block;
-                            let d = rng.random_range(0..mine) * block;
-                            share[d..d + block].copy_from_slice(&src[s..s + block]);
-                        }
-                        moved += (per_batch * block) as u64;
-                    }
-                    moved
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| w.join().expect("memcpy thread"))
-            .sum()
-    });
-    Ceiling {
-        name: format!("memcpy ×{threads} same shape"),
-        gbps: moved as f64 / start.elapsed().as_secs_f64() / 1e9,
-        p50_us: None,
-    }
+    let shares = dst[..mine * threads * block].chunks_mut(mine * block);
+    let name = format!("memcpy ×{threads} same shape");
+    copy_on_threads(name, shares, secs, |_, share, rng| {
+        for _ in 0..per_batch {
+            let s = rng.random_range(0..blocks) * block;
+            let d = rng.random_range(0..mine) * block;
+            share[d..d + block].copy_from_slice(&src[s..s + block]);
+        }
+        (per_batch * block) as u64
+    })
 }
 
 /// `threads` threads each copying its contiguous share of `src` into `dst`, over and over: the
@@ -334,20 +312,36 @@ pub fn memcpy_contiguous(src: &[u8], dst: &mut [u8], threads: usize, secs: f64) 
     let len = src.len().min(dst.len());
     let threads = threads.clamp(1, len.div_ceil(STEP).max(1));
     let share = len.div_ceil(threads);
+    let name = format!("memcpy ×{threads} contiguous");
+    copy_on_threads(name, dst[..len].chunks_mut(share), secs, |t, d, _| {
+        let s = &src[t * share..][..d.len()];
+        for (d, s) in d.chunks_mut(STEP).zip(s.chunks(STEP)) {
+            d.copy_from_slice(s);
+        }
+        d.len() as u64
+    })
+}
+
+/// One thread per share of a destination, each running `pass(thread, share, rng)` (which
+/// returns the bytes it copied) until `secs` have passed: the rate of all of them together.
+fn copy_on_threads<'d>(
+    name: String,
+    shares: impl Iterator<Item = &'d mut [u8]>,
+    secs: f64,
+    pass: impl Fn(usize, &mut [u8], &mut SmallRng) -> u64 + Sync,
+) -> Ceiling {
     let span = Duration::from_secs_f64(secs);
     let start = Instant::now();
     let moved: u64 = std::thread::scope(|scope| {
-        let workers: Vec<_> = dst[..len]
-            .chunks_mut(share)
-            .zip(src[..len].chunks(share))
-            .map(|(d, s)| {
+        let pass = &pass;
+        let workers: Vec<_> = shares
+            .enumerate()
+            .map(|(t, share)| {
                 scope.spawn(move || {
+                    let mut rng = SmallRng::seed_from_u64(11 + t as u64);
                     let mut moved = 0u64;
                     while start.elapsed() < span {
-                        for (d, s) in d.chunks_mut(STEP).zip(s.chunks(STEP)) {
-                            d.copy_from_slice(s);
-                            moved += s.len() as u64;
-                        }
+                        moved += pass(t, share, &mut rng);
                     }
                     moved
                 })
@@ -359,7 +353,7 @@ pub fn memcpy_contiguous(src: &[u8], dst: &mut [u8], threads: usize, secs: f64) 
             .sum()
     });
     Ceiling {
-        name: format!("memcpy ×{threads} contiguous"),
+        name,
         gbps: moved as f64 / start.elapsed().as_secs_f64() / 1e9,
         p50_us: None,
     }

@@ -889,25 +889,7 @@ fn secret(name: &str, data: &[(&str, Vec<u8>)]) -> Value {
 
 /// Every key in `etcd`, sorted (as root).
 async fn all_keys(etcd: &kvfabric_testkit::EtcdServer) -> Vec<String> {
-    let mut root = etcd.client().await.expect("root client");
-    let all = root
-        .get(
-            "/",
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_keys_only(),
-            ),
-        )
-        .await
-        .expect("get");
-    let mut keys: Vec<String> = all
-        .kvs()
-        .iter()
-        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
-        .collect();
-    keys.sort();
-    keys
+    etcd.keys("/").await.expect("get")
 }
 
 #[tokio::test]

@@ -314,23 +314,7 @@ mod tests {
         .await
         .expect("cleans");
         assert_eq!(n, 2, "exactly team-a/llama's keys");
-        let left = client
-            .get(
-                "/kvfabric/",
-                Some(
-                    etcd_client::GetOptions::new()
-                        .with_prefix()
-                        .with_keys_only(),
-                ),
-            )
-            .await
-            .expect("get");
-        let mut keys: Vec<String> = left
-            .kvs()
-            .iter()
-            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
-            .collect();
-        keys.sort();
+        let keys = etcd.keys("/kvfabric/").await.expect("get");
         assert_eq!(
             keys,
             vec![

@@ -294,6 +294,29 @@ impl EtcdServer {
         self.client_as(root).await
     }
 
+    /// Every key under `prefix`, sorted, read as `root` (the tests' view of what the registry
+    /// holds).
+    pub async fn keys(&self, prefix: &str) -> Result<Vec<String>> {
+        let mut client = self.client().await?;
+        let options = etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_keys_only();
+        let resp = client
+            .get(prefix, Some(options))
+            .await
+            .map_err(|e| Error::Etcd {
+                endpoint: self.endpoint(),
+                reason: format!("get {prefix}: {e}"),
+            })?;
+        let mut keys: Vec<String> = resp
+            .kvs()
+            .iter()
+            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+            .collect();
+        keys.sort();
+        Ok(keys)
+    }
+
     /// A client of this etcd as `user` (`(name, password)`; None: no credentials), with the
     /// client certificate under TLS.
     pub async fn client_as(&self, user: Option<(&str, &str)>) -> Result<etcd_client::Client> {

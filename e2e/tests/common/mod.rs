@@ -88,20 +88,9 @@ pub async fn serving(agent: &AgentProcess, before: u64, limit: Duration) -> u64 
 
 /// Every key under the e2e fabric's registry root (empty while etcd does not answer).
 pub async fn fabric_keys(etcd: &EtcdServer) -> Vec<String> {
-    let Ok(mut kv) = etcd.client().await else {
-        return Vec::new();
-    };
-    let keys = etcd_client::GetOptions::new()
-        .with_prefix()
-        .with_keys_only();
-    match kv.get("/kvfabric/default/e2e/", Some(keys)).await {
-        Ok(r) => r
-            .kvs()
-            .iter()
-            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
-            .collect(),
-        Err(_) => Vec::new(),
-    }
+    etcd.keys("/kvfabric/default/e2e/")
+        .await
+        .unwrap_or_default()
 }
 
 /// The fabric's keys of the agents and segments called `names`.
