@@ -196,11 +196,16 @@ async fn a_peer_that_never_answers_stalls_no_other_transfer() {
         start.elapsed()
     );
     assert!(pulled(&batch, &src, &dst));
-    // The hung peer's batches fail by the dial deadline with a code that says "retry".
+    // The hung peer's batches fail with a code that says "retry": the data handshake's own
+    // timeout (4 s) or, on a slow machine, the batch's deadline (5 s) first — never stuck
+    // behind the dial.
     for h in hung {
         let (r, took) = h.await.unwrap();
         let e = r.unwrap_err();
-        assert_eq!(e.code(), Some(Code::Unavailable), "{e}");
+        assert!(
+            matches!(e.code(), Some(Code::Unavailable | Code::DeadlineExceeded)),
+            "{e}"
+        );
         assert!(took < Duration::from_secs(15), "{took:?}");
     }
 }
