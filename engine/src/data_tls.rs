@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use rustls::client::WebPkiServerVerifier;
-use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
@@ -50,15 +49,14 @@ impl DataTls {
         }
         let roots = Arc::new(roots);
         let versions = rustls::DEFAULT_VERSIONS;
-        let verifier = |p: &Arc<CryptoProvider>| {
-            WebPkiClientVerifier::builder_with_provider(roots.clone(), p.clone())
+        let client_verifier =
+            WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
                 .build()
-                .map_err(bad)
-        };
+                .map_err(bad)?;
         let server = ServerConfig::builder_with_provider(provider.clone())
             .with_protocol_versions(versions)
             .map_err(bad)?
-            .with_client_cert_verifier(verifier(&provider)?)
+            .with_client_cert_verifier(client_verifier)
             .with_single_cert(chain.clone(), key.clone_key())
             .map_err(bad)?;
         let server_verifier = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
