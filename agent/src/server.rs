@@ -10,6 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::TryStreamExt;
@@ -143,29 +144,28 @@ const DRAIN_QUIET: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 struct LastServed {
     since: Instant,
-    millis: std::sync::atomic::AtomicU64,
+    millis: AtomicU64,
 }
 
 impl LastServed {
     fn new() -> Self {
         LastServed {
             since: Instant::now(),
-            millis: std::sync::atomic::AtomicU64::new(0),
+            millis: AtomicU64::new(0),
         }
     }
 
     fn touch(&self) {
         // + 1: 0 stays "never".
         let now = self.since.elapsed().as_millis() as u64 + 1;
-        self.millis
-            .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+        self.millis.fetch_max(now, Ordering::Relaxed);
     }
 
     /// Waits until nothing was served for `quiet` (returns at once if nothing was served that
     /// recently).
     async fn quiet_for(&self, quiet: Duration) {
         loop {
-            let last = self.millis.load(std::sync::atomic::Ordering::Relaxed);
+            let last = self.millis.load(Ordering::Relaxed);
             let idle = self
                 .since
                 .elapsed()
