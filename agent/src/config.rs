@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use clap::Args;
 use kvfabric_engine::rdma::{DeviceFilter, GidChoice};
-use kvfabric_engine::{CudaPath, Location, TransportKind};
+use kvfabric_engine::{CudaPath, Location, TcpBuffer, TransportKind};
+use kvfabric_proto::bytesize;
 use kvfabric_proto::contract::{DEFAULT_KEY_PREFIX, DEFAULT_NAMESPACE, env, socket};
 use kvfabric_proto::limits::DEFAULT_MAX_BATCH_OPS;
 
@@ -137,6 +138,11 @@ pub struct AgentArgs {
     #[arg(long, env = env::TCP_CONNECTIONS, default_value_t = 4)]
     pub tcp_connections: usize,
 
+    /// Kernel buffers of each tcp data connection: `auto` (256 KiB when both ends share an
+    /// address, autotuning elsewhere), `kernel` (autotuning always) or a size such as `1MiB`.
+    #[arg(long, env = env::TCP_BUFFER, default_value = "auto", value_parser = bytesize::parse_tcp_buffer)]
+    pub tcp_buffer: TcpBuffer,
+
     /// RDMA devices (and ports) the agent may use: `mlx5_0,mlx5_1:1`, `^mlx5_2` excludes (empty:
     /// every device allocated to the pod).
     #[arg(long, env = env::RDMA_DEVICES, default_value = "", value_parser = parse_rdma_devices)]
@@ -231,6 +237,7 @@ pub struct AgentConfig {
     pub advertise_addr: Option<IpAddr>,
     pub transports: Vec<TransportKind>,
     pub tcp_connections: usize,
+    pub tcp_buffer: TcpBuffer,
     pub rdma_devices: DeviceFilter,
     pub rdma_gid_index: GidChoice,
     pub rdma_qps_per_peer: usize,
@@ -261,6 +268,9 @@ impl AgentArgs {
         }
         if self.tcp_connections == 0 {
             return Err(Error::config("tcp-connections", 0, "must be positive"));
+        }
+        if let Some(reason) = self.tcp_buffer.invalid() {
+            return Err(Error::config("tcp-buffer", self.tcp_buffer, reason));
         }
         for (field, ms) in [
             ("batch-timeout-ms", self.batch_timeout_ms),
@@ -330,6 +340,7 @@ impl AgentArgs {
             advertise_addr: self.advertise_addr,
             transports: self.transports,
             tcp_connections: self.tcp_connections,
+            tcp_buffer: self.tcp_buffer,
             rdma_devices: self.rdma_devices,
             rdma_gid_index: self.rdma_gid_index,
             rdma_qps_per_peer: self.rdma_qps_per_peer,
@@ -410,6 +421,7 @@ impl AgentConfig {
             "advertise_addr": self.advertise_addr,
             "transports": self.transports.iter().map(|t| t.to_string()).collect::<Vec<_>>(),
             "tcp_connections": self.tcp_connections,
+            "tcp_buffer": self.tcp_buffer.to_string(),
             "batch_timeout_ms": self.batch_timeout.as_millis() as u64,
             "max_batch_ops": self.max_batch_ops,
             "connect_timeout_ms": self.connect_timeout.as_millis() as u64,
@@ -445,6 +457,7 @@ impl AgentConfig {
                 TransportKind::Tcp,
             ],
             tcp_connections: 4,
+            tcp_buffer: TcpBuffer::Auto,
             rdma_devices: DeviceFilter::default(),
             rdma_gid_index: GidChoice::default(),
             rdma_qps_per_peer: 2,
@@ -591,6 +604,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         ca.write_dir(dir.path(), &ca.issue(names)).unwrap();
         dir
+    }
+
+    #[test]
+    fn tcp_buffers_are_auto_kernel_or_a_size_in_range() {
+        assert_eq!(validate(&[]).unwrap().tcp_buffer, TcpBuffer::Auto);
+        let c = validate(&["--tcp-buffer", "kernel"]).unwrap();
+        assert_eq!(c.tcp_buffer, TcpBuffer::Kernel);
+        assert_eq!(c.summary()["tcp_buffer"], "kernel");
+        let c = validate(&["--tcp-buffer", "1MiB"]).unwrap();
+        assert_eq!(c.tcp_buffer, TcpBuffer::Bytes(1 << 20));
+        assert_eq!(field(validate(&["--tcp-buffer", "1KiB"])).0, "tcp-buffer");
+        assert!(Cli::try_parse_from(["agent", "--tcp-buffer", "lots"]).is_err());
+        assert!(Cli::try_parse_from(["agent", "--tcp-buffer", "8GiB"]).is_err());
     }
 
     #[test]

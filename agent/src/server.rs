@@ -245,6 +245,7 @@ impl Agent {
                 last: served.clone(),
             })),
             tcp_connections: config.tcp_connections,
+            tcp_buffer: config.tcp_buffer,
             tls: config
                 .tls
                 .as_ref()

@@ -85,6 +85,11 @@ pub struct BenchArgs {
     #[arg(long, env = "KVFABRIC_TCP_CONNECTIONS", default_value_t = 4)]
     pub connections: usize,
 
+    /// Kernel buffers of each tcp data connection, both processes: `auto` (256 KiB between
+    /// processes of one host, autotuning elsewhere), `kernel` (autotuning), or a size.
+    #[arg(long, env = "KVFABRIC_TCP_BUFFER", default_value = "auto", value_parser = bytesize::parse_tcp_buffer)]
+    pub tcp_buffer: kvfabric_engine::TcpBuffer,
+
     /// Segment key the target requires in the handshake (none: open).
     #[arg(long, env = "KVFABRIC_SEGMENT_KEY")]
     pub key: Option<u64>,

@@ -15,6 +15,10 @@ use crate::initiator::RowPlan;
 use crate::pattern;
 use crate::stats::median;
 
+/// Socket buffer sizes the raw streams try besides autotuning (and kvfabric's own): small ones
+/// keep a same-host stream's bytes in the last-level cache between its two copies.
+const SOCKET_BUFFERS: [u32; 3] = [64 << 10, 256 << 10, 1 << 20];
+
 /// Each variant gets at least this long per round.
 const MIN_PROBE_SECS: f64 = 0.1;
 
@@ -79,8 +83,36 @@ fn stream_counts(n: usize) -> Vec<usize> {
         .collect()
 }
 
+/// The hot raw streams a tcp row's bound takes the best of: 1…`n` streams, each with autotuned
+/// buffers, each of `SOCKET_BUFFERS`, and kvfabric's own size.
+fn stream_variants(flow: Flow, n: usize, own_buffer: Option<u32>) -> Vec<StreamShape> {
+    let mut sizes: Vec<Option<u32>> = std::iter::once(None)
+        .chain(SOCKET_BUFFERS.map(Some))
+        .collect();
+    if !sizes.contains(&own_buffer) {
+        sizes.push(own_buffer);
+    }
+    stream_counts(n)
+        .into_iter()
+        .flat_map(|streams| {
+            sizes.iter().map(move |&socket_buffer| StreamShape {
+                flow,
+                streams,
+                buffers: Buffers::Hot,
+                socket_buffer,
+            })
+        })
+        .collect()
+}
+
 impl Bound {
-    pub fn new(plan: &RowPlan, kind: TransportKind, engine: &Engine) -> Result<Self> {
+    /// `own_buffer`: the socket buffers kvfabric's own tcp connections to the target get.
+    pub fn new(
+        plan: &RowPlan,
+        kind: TransportKind,
+        engine: &Engine,
+        own_buffer: Option<u32>,
+    ) -> Result<Self> {
         let config = engine.config();
         let mut pools = None;
         let mut same_shape = None;
@@ -156,16 +188,11 @@ impl Bound {
                         pool_bytes: plan.pool_bytes,
                         block_size: plan.block_size,
                     },
+                    socket_buffer: own_buffer,
                 }));
-                stream_counts(n)
+                stream_variants(flow, n, own_buffer)
                     .into_iter()
-                    .map(|streams| {
-                        Probe::Stream(StreamShape {
-                            flow,
-                            streams,
-                            buffers: Buffers::Hot,
-                        })
-                    })
+                    .map(Probe::Stream)
                     .collect()
             }
         };
@@ -366,6 +393,33 @@ mod tests {
         assert_eq!((mid.gbps, mid.p50_us), (2.0, Some(14.0)));
         let throughput = [part("×1", 2.0, None), part("×1", 4.0, None)];
         assert_eq!(best_round(&throughput).p50_us, None);
+    }
+
+    #[test]
+    fn tcp_bounds_try_the_kernels_buffers_small_ones_and_kvfabrics_own() {
+        let sizes = |own| {
+            stream_variants(Flow::FromTarget, 2, own)
+                .iter()
+                .map(|s| (s.streams, s.socket_buffer))
+                .collect::<Vec<_>>()
+        };
+        let k = 1 << 10;
+        assert_eq!(
+            sizes(Some(256 * k)),
+            [
+                (1, None),
+                (1, Some(64 * k)),
+                (1, Some(256 * k)),
+                (1, Some(1024 * k)),
+                (2, None),
+                (2, Some(64 * k)),
+                (2, Some(256 * k)),
+                (2, Some(1024 * k))
+            ]
+        );
+        assert_eq!(sizes(Some(8 * k)).len(), 10);
+        assert!(sizes(Some(8 * k)).contains(&(2, Some(8 * k))));
+        assert_eq!(sizes(None).len(), 8);
     }
 
     #[test]

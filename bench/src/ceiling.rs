@@ -11,6 +11,9 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
+use kvfabric_engine::TcpBuffer;
+use kvfabric_proto::bytesize::human;
+
 use crate::control::{ControlClient, Reply, Request};
 use crate::error::{Error, Result};
 use crate::scatter::Scatter;
@@ -61,6 +64,8 @@ pub struct StreamShape {
     pub flow: Flow,
     pub streams: usize,
     pub buffers: Buffers,
+    /// SO_SNDBUF/SO_RCVBUF on both ends of every stream (None: the kernel's autotuning).
+    pub socket_buffer: Option<u32>,
 }
 
 impl StreamShape {
@@ -74,7 +79,11 @@ impl StreamShape {
             Buffers::Hot => "hot",
             Buffers::SameShape { .. } => "same shape",
         };
-        format!("raw tcp ×{}{each} {buffers}", self.streams)
+        let socket = match self.socket_buffer {
+            Some(n) => format!(" buf {}", human(n.into())),
+            None => String::new(),
+        };
+        format!("raw tcp ×{}{each} {buffers}{socket}", self.streams)
     }
 
     /// Whether stream `i` carries bytes towards the target.
@@ -152,10 +161,24 @@ fn one_stream(
 ) -> Result<u64> {
     let io = |e| Error::io("ceiling stream", e);
     let (bytes, block_size) = shape.share();
+    let socket_buffer = shape.socket_buffer;
+    let set_buffer = |s: &TcpStream| {
+        socket_buffer
+            .map_or(Ok(()), |n| TcpBuffer::Bytes(n).apply(s))
+            .map_err(io)
+    };
     if towards_target {
-        let s = ControlClient::raw(control, &Request::Sink { bytes, block_size });
+        let s = ControlClient::raw(
+            control,
+            &Request::Sink {
+                bytes,
+                block_size,
+                socket_buffer,
+            },
+        );
         go.wait();
         let mut s = s?;
+        set_buffer(&s)?;
         let start = Instant::now();
         while start.elapsed() < span {
             pool.write_some(&mut s).map_err(io)?;
@@ -171,9 +194,17 @@ fn one_stream(
             }),
         }
     } else {
-        let s = ControlClient::raw(control, &Request::Source { bytes, block_size });
+        let s = ControlClient::raw(
+            control,
+            &Request::Source {
+                bytes,
+                block_size,
+                socket_buffer,
+            },
+        );
         go.wait();
         let mut s = s?;
+        set_buffer(&s)?;
         let start = Instant::now();
         let mut total = 0u64;
         while start.elapsed() < span {

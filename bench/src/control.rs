@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 
 use kvfabric_engine::{
     ConnectInfo, DataSecret, Location, RdmaExchange, RegionDesc, RegionId, SegmentDescriptor,
-    TransportKind,
+    TcpBuffer, TransportKind,
 };
 use serde::{Deserialize, Serialize};
 
@@ -39,12 +39,17 @@ pub enum Request {
     Sink {
         bytes: u64,
         block_size: u64,
+        /// SO_SNDBUF/SO_RCVBUF on the target's end (None: autotuning).
+        #[serde(default)]
+        socket_buffer: Option<u32>,
     },
     /// Ceiling: write a raw stream from random blocks of a `bytes` pool until the initiator hangs
     /// up.
     Source {
         bytes: u64,
         block_size: u64,
+        #[serde(default)]
+        socket_buffer: Option<u32>,
     },
     /// Ceiling: answer each 32-byte request with `size` bytes; with `spin`, polling the socket
     /// without sleeping.
@@ -108,6 +113,12 @@ pub struct ControlClient {
 }
 
 impl ControlClient {
+    /// The socket buffer size `buffer` gives a connection to this target (what kvfabric's own
+    /// data connections to it get). None: autotuning.
+    pub fn buffer_size(&self, buffer: TcpBuffer) -> Option<u32> {
+        buffer.size_for(self.reader.get_ref())
+    }
+
     pub fn connect(addr: SocketAddr) -> Result<Self> {
         let stream = TcpStream::connect(addr)
             .map_err(|e| Error::io(format!("connect control {addr}"), e))?;

@@ -259,7 +259,8 @@ impl Initiator {
             duration: plan.duration / ROUNDS as f64,
             ..plan.clone()
         };
-        let mut bound = Bound::new(plan, selection.kind, &self.engine)?;
+        let own_buffer = self.control.buffer_size(self.engine.config().tcp_buffer);
+        let mut bound = Bound::new(plan, selection.kind, &self.engine, own_buffer)?;
         let mut timed = Timed::default();
         let mut ours = Vec::new();
         for _ in 0..ROUNDS {

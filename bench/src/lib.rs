@@ -88,6 +88,7 @@ async fn run(args: BenchArgs, telemetry: &Telemetry) -> Result<()> {
     let engine = Engine::new(EngineConfig {
         name: "bench-initiator".into(),
         tcp_connections: args.connections,
+        tcp_buffer: args.tcp_buffer,
         cuda_path: args.cuda_path,
         cuda_spin: args.cuda_spin,
         staging_bytes: args.staging_bytes,
@@ -247,6 +248,8 @@ async fn spawn_target(args: &BenchArgs) -> Result<(SocketAddr, Child)> {
     cmd.args(["bench", "--serve", "127.0.0.1:0"])
         .arg("--connections")
         .arg(args.connections.to_string())
+        .arg("--tcp-buffer")
+        .arg(args.tcp_buffer.to_string())
         .arg("--staging-bytes")
         .arg(args.staging_bytes.to_string())
         .stdout(Stdio::piped())

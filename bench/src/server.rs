@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use kvfabric_engine::{Engine, EngineConfig, RdmaConfig, RegionDesc};
+use kvfabric_engine::{Engine, EngineConfig, RdmaConfig, RegionDesc, TcpBuffer};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -32,6 +32,7 @@ pub async fn run(
         name: "bench-target".into(),
         segment_key: args.key,
         tcp_connections: args.connections,
+        tcp_buffer: args.tcp_buffer,
         staging_bytes: args.staging_bytes,
         spin_wait: args.spin_wait(),
         // Pools are registered with the NICs (pinned) only for an rdma run.
@@ -132,14 +133,31 @@ fn serve_control(engine: &Engine, rt: &tokio::runtime::Handle, stream: TcpStream
             Err(e) => Reply::Error {
                 message: format!("bad request: {e}"),
             },
-            Ok(Request::Sink { bytes, block_size }) if bytes <= MAX_SCRATCH => {
+            Ok(Request::Sink { socket_buffer, .. } | Request::Source { socket_buffer, .. })
+                if socket_buffer.is_some_and(|n| TcpBuffer::Bytes(n).invalid().is_some()) =>
+            {
+                Reply::Error {
+                    message: format!("socket buffer {socket_buffer:?} out of range"),
+                }
+            }
+            Ok(Request::Sink {
+                bytes,
+                block_size,
+                socket_buffer,
+            }) if bytes <= MAX_SCRATCH => {
+                set_buffer(&out, socket_buffer)?;
                 return sink(
                     reader,
                     out,
                     Scatter::new(bytes as usize, block_size as usize, 8),
                 );
             }
-            Ok(Request::Source { bytes, block_size }) if bytes <= MAX_SCRATCH => {
+            Ok(Request::Source {
+                bytes,
+                block_size,
+                socket_buffer,
+            }) if bytes <= MAX_SCRATCH => {
+                set_buffer(&out, socket_buffer)?;
                 return source(out, Scatter::new(bytes as usize, block_size as usize, 9));
             }
             Ok(Request::Sink { bytes, .. } | Request::Source { bytes, .. }) => Reply::Error {
@@ -223,6 +241,11 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
             unreachable!("raw modes are served by serve_control")
         }
     })
+}
+
+fn set_buffer(s: &TcpStream, size: Option<u32>) -> Result<()> {
+    size.map_or(Ok(()), |n| TcpBuffer::Bytes(n).apply(s))
+        .map_err(|e| Error::io("set ceiling socket buffers", e))
 }
 
 fn ready(out: &mut TcpStream) -> Result<()> {

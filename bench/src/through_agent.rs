@@ -113,6 +113,7 @@ pub async fn run(
     let engine_cfg = |name: &str| EngineConfig {
         name: name.into(),
         tcp_connections: args.connections,
+        tcp_buffer: args.tcp_buffer,
         ..EngineConfig::default()
     };
     let target = Engine::new(engine_cfg("bench-engine-target"))?;
@@ -173,6 +174,7 @@ pub async fn run(
         c.fabric = "bench".into();
         c.transports = vec![TransportKind::Tcp];
         c.tcp_connections = args.connections;
+        c.tcp_buffer = args.tcp_buffer;
         c.tls = tls.clone();
         c
     };

@@ -424,6 +424,7 @@ impl Engine {
                         .expect("selection checked tcp endpoint");
                     let opts = TcpOptions {
                         connections: inner.config.tcp_connections,
+                        buffer: inner.config.tcp_buffer,
                         chunk_bytes: inner.config.chunk_bytes,
                         staging_bytes: inner.config.staging_bytes,
                         handshake_timeout: inner.config.handshake_timeout,

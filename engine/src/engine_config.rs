@@ -9,6 +9,7 @@ use crate::cuda::CudaPath;
 use crate::error::{Error, Result};
 use crate::rdma::RdmaConfig;
 use crate::segment::local_node_id;
+use crate::tcp_buffer::TcpBuffer;
 use crate::transport::target::ServeObserver;
 
 #[derive(Debug, Clone)]
@@ -26,6 +27,9 @@ pub struct EngineConfig {
     pub node: String,
     /// Data connections opened per tcp peer.
     pub tcp_connections: usize,
+    /// Kernel buffers of each tcp data connection, both ends (see [`crate::tcp_buffer`]).
+    /// Default `Auto`: 256 KiB between two processes of one host, autotuning elsewhere.
+    pub tcp_buffer: TcpBuffer,
     /// A batch is cut into chunks of about this many bytes, spread over the connections.
     pub chunk_bytes: u64,
     /// Default time a batch may take before it fails with `Timeout`.
@@ -104,6 +108,7 @@ impl Default for EngineConfig {
             data_secret: None,
             node: local_node_id(),
             tcp_connections: 4,
+            tcp_buffer: TcpBuffer::Auto,
             chunk_bytes: 4 << 20,
             batch_timeout: Duration::from_secs(30),
             shm_threads: cores.clamp(1, 8),
@@ -144,6 +149,9 @@ impl EngineConfig {
                 self.tcp_connections.to_string(),
                 "must be 1..=64",
             );
+        }
+        if let Some(reason) = self.tcp_buffer.invalid() {
+            return bad("tcp_buffer", self.tcp_buffer.to_string(), reason);
         }
         if self.chunk_bytes < 4096 {
             return bad(

@@ -26,6 +26,7 @@ mod region_id;
 mod region_table;
 mod segment;
 mod table_manifest;
+pub mod tcp_buffer;
 pub mod transport;
 mod transport_kind;
 
@@ -44,5 +45,6 @@ pub use region::{AccessKey, Location, RawRange, Region, RegionId};
 pub use segment::{
     DESCRIPTOR_VERSION, Endpoints, RdmaKey, RegionDesc, SegmentDescriptor, local_node_id,
 };
+pub use tcp_buffer::TcpBuffer;
 pub use transport::select::{Preference, Selection};
 pub use transport::{TransportKind, TransportStats};

@@ -17,7 +17,7 @@ use kvfabric_engine::frame::{
 };
 use kvfabric_engine::{
     AccessKey, Batch, BlockOp, DataSecret, Endpoints, Engine, EngineConfig, Error, Preference,
-    RegionId, SegmentDescriptor, Side, TransportKind,
+    RegionId, SegmentDescriptor, Side, TcpBuffer, TransportKind,
 };
 
 const TCP: Preference = Preference::Only(TransportKind::Tcp);
@@ -249,6 +249,27 @@ async fn a_timeout_past_the_clock_s_range_is_no_panic() {
         ),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn socket_buffers_out_of_range_are_refused_naming_the_field() {
+    for n in [0, 4095, (64 << 20) + 1] {
+        let err = Engine::new(EngineConfig {
+            tcp_buffer: TcpBuffer::Bytes(n),
+            ..config("x")
+        })
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidConfig {
+                    field: "tcp_buffer",
+                    ..
+                }
+            ),
+            "{n}: {err}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,6 +20,22 @@ pub fn parse(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} is too large"))
 }
 
+/// `auto`, `kernel`, or a byte count as [`parse`] reads it: a tcp data connection's buffers
+/// (`kvfabric_engine::TcpBuffer`), as the agent's and the bench's flags take them.
+pub fn parse_tcp_buffer(s: &str) -> Result<kvfabric_engine::TcpBuffer, String> {
+    use kvfabric_engine::TcpBuffer;
+    match s.trim() {
+        "auto" => Ok(TcpBuffer::Auto),
+        "kernel" => Ok(TcpBuffer::Kernel),
+        n => {
+            let n = parse(n).map_err(|e| format!("{e}; or auto, or kernel"))?;
+            u32::try_from(n)
+                .map(TcpBuffer::Bytes)
+                .map_err(|_| format!("{s:?} is too large for a socket buffer"))
+        }
+    }
+}
+
 /// 32768 → "32 KiB"; exact powers read better in tables than raw numbers.
 pub fn human(n: u64) -> String {
     const UNITS: [(&str, u64); 4] = [

@@ -54,6 +54,8 @@ pub mod env {
     pub const ADVERTISE_ADDR: &str = "KVFABRIC_ADVERTISE_ADDR";
     pub const TRANSPORTS: &str = "KVFABRIC_TRANSPORTS";
     pub const TCP_CONNECTIONS: &str = "KVFABRIC_TCP_CONNECTIONS";
+    /// Kernel buffers of each tcp data connection: `auto`, `kernel` or a size.
+    pub const TCP_BUFFER: &str = "KVFABRIC_TCP_BUFFER";
     pub const RDMA_DEVICES: &str = "KVFABRIC_RDMA_DEVICES";
     pub const RDMA_GID_INDEX: &str = "KVFABRIC_RDMA_GID_INDEX";
     pub const RDMA_QPS_PER_PEER: &str = "KVFABRIC_RDMA_QPS_PER_PEER";

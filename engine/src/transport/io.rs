@@ -1,7 +1,8 @@
 //! Blocking vectored I/O that finishes what it starts (std leaves partial reads/writes to us).
 
-use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::io::{self, BufRead, BufReader, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -76,36 +77,91 @@ pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
     Ok(body)
 }
 
-/// Polls `fd` for bytes to read without sleeping, for at most `window` (and never past
-/// `deadline`, if any): true as soon as it is readable (or hung up), false when the window ends
-/// first. A reply due within microseconds then costs no sleep and wake-up of the waiting thread.
-pub(crate) fn spin_until_readable(
-    fd: impl std::os::fd::AsFd,
-    window: Duration,
-    deadline: Option<Instant>,
-) -> io::Result<bool> {
-    use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    if window.is_zero() {
-        return Ok(false);
-    }
-    let zero = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // Past a second a reply is not due within microseconds: polling longer only burns the core.
-    let end = Instant::now() + window.min(Duration::from_secs(1));
-    let until = deadline.map_or(end, |d| d.min(end));
-    while Instant::now() < until {
-        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-        match poll(&mut fds, Some(&zero)) {
-            // Yield, not just spin: a peer spinning on the same core must get to answer.
-            Ok(0) | Err(rustix::io::Errno::INTR) => std::thread::yield_now(),
-            Ok(_) => return Ok(true),
-            Err(e) => return Err(e.into()),
+/// A blocking socket whose reads can be made non-blocking (MSG_DONTWAIT) while it stays
+/// blocking for everyone else: a reader spinning for its next message fills its read-ahead buffer
+/// with the very call that finds the bytes, where polling first costs a second syscall per
+/// message (`spin_fill`).
+#[derive(Debug)]
+pub(crate) struct SpinReader<S> {
+    socket: S,
+    dontwait: bool,
+}
+
+impl<S> SpinReader<S> {
+    pub(crate) fn new(socket: S) -> Self {
+        SpinReader {
+            socket,
+            dontwait: false,
         }
     }
-    Ok(false)
+
+    pub(crate) fn socket(&self) -> &S {
+        &self.socket
+    }
 }
+
+impl<S: Read + AsFd> Read for SpinReader<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.dontwait {
+            let (n, _) = rustix::net::recv(&self.socket, buf, rustix::net::RecvFlags::DONTWAIT)?;
+            Ok(n)
+        } else {
+            self.socket.read(buf)
+        }
+    }
+
+    // Large payload reads go past the read-ahead buffer straight into their destinations.
+    fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        if self.dontwait {
+            let first = bufs.iter_mut().find(|b| !b.is_empty());
+            return first.map_or(Ok(0), |b| self.read(b));
+        }
+        self.socket.read_vectored(bufs)
+    }
+}
+
+/// Reads ahead into `reader` without sleeping, for at most `window` (and never past `deadline`,
+/// if any): true as soon as it holds bytes (or the peer hung up, or the socket failed: the read
+/// that follows sees which), false when the window ends first. A message due within
+/// microseconds then costs no sleep and wake-up of the waiting thread, and no poll(2) besides
+/// the read.
+pub(crate) fn spin_fill<S: Read + AsFd>(
+    reader: &mut BufReader<SpinReader<S>>,
+    window: Duration,
+    deadline: Option<Instant>,
+) -> bool {
+    if window.is_zero() || !reader.buffer().is_empty() {
+        return !reader.buffer().is_empty();
+    }
+    // Past a second a message is not due within microseconds: polling longer only burns the core.
+    let start = Instant::now();
+    let end = start + window.min(Duration::from_secs(1));
+    let until = deadline.map_or(end, |d| d.min(end));
+    reader.get_mut().dontwait = true;
+    let found = loop {
+        match reader.fill_buf() {
+            Ok(_) => break true,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => break true,
+        }
+        let now = Instant::now();
+        if now >= until {
+            break false;
+        }
+        // Spin, then yield: a peer spinning on the same core must get to answer.
+        if now - start < SPIN_PURE {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    };
+    reader.get_mut().dontwait = false;
+    found
+}
+
+/// How long `spin_fill` spins before it yields its core between reads.
+const SPIN_PURE: Duration = Duration::from_micros(20);
 
 /// The blocking stream sockets the data plane serves (tcp and Unix).
 pub(crate) trait Socket: Read + Write + Sized + Send + 'static {
@@ -234,28 +290,58 @@ mod tests {
     }
 
     #[test]
-    fn a_spin_window_sees_bytes_and_hang_ups_without_taking_them() {
+    fn a_spin_window_reads_ahead_what_comes_and_leaves_the_socket_blocking() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (mut b, _) = l.accept().unwrap();
+        let mut r = BufReader::with_capacity(64, SpinReader::new(a));
         let ms = Duration::from_millis;
         // Nothing to read: false once the window is over, or at the deadline if that comes first.
         let start = Instant::now();
-        assert!(!spin_until_readable(&a, ms(20), None).unwrap());
+        assert!(!spin_fill(&mut r, ms(20), None));
         assert!(start.elapsed() >= ms(20));
         let start = Instant::now();
-        assert!(!spin_until_readable(&a, Duration::MAX, Some(start + ms(20))).unwrap());
+        assert!(!spin_fill(&mut r, Duration::MAX, Some(start + ms(20))));
         assert!(start.elapsed() < Duration::from_secs(10));
-        assert!(!spin_until_readable(&a, Duration::ZERO, None).unwrap());
-        // A waiting byte is seen and stays for the read that follows.
-        b.write_all(b"x").unwrap();
-        assert!(spin_until_readable(&a, Duration::MAX, None).unwrap());
-        let mut got = [0u8; 1];
-        a.read_exact(&mut got).unwrap();
-        assert_eq!(&got, b"x");
+        assert!(!spin_fill(&mut r, Duration::ZERO, None));
+        // What arrives is read ahead by the spin itself and kept for the read that follows.
+        b.write_all(b"xy").unwrap();
+        assert!(spin_fill(&mut r, Duration::MAX, None));
+        assert_eq!(r.buffer(), b"xy");
+        assert!(
+            spin_fill(&mut r, Duration::ZERO, None),
+            "bytes already read ahead count"
+        );
+        let mut got = [0u8; 2];
+        r.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"xy");
+        // Blocking again after the window: a read waits for the byte written later.
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(ms(30));
+            b.write_all(b"z").unwrap();
+            b
+        });
+        let mut one = [0u8; 1];
+        r.read_exact(&mut one).unwrap();
+        assert_eq!(&one, b"z");
+        let b = writer.join().unwrap();
         // A hang-up ends the window too (the read then sees the end).
         drop(b);
-        assert!(spin_until_readable(&a, Duration::MAX, None).unwrap());
-        assert_eq!(a.read(&mut got).unwrap(), 0);
+        assert!(spin_fill(&mut r, Duration::MAX, None));
+        assert_eq!(r.read(&mut one).unwrap(), 0);
+    }
+
+    #[test]
+    fn large_reads_still_go_straight_into_their_buffers() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let mut r = BufReader::with_capacity(16, SpinReader::new(a));
+        b.write_all(&[5u8; 4096]).unwrap();
+        let (mut x, mut y) = (vec![0u8; 1024], vec![0u8; 3072]);
+        let mut bufs = [IoSliceMut::new(&mut x), IoSliceMut::new(&mut y)];
+        read_exact_vectored(&mut r, &mut bufs).unwrap();
+        assert!(x.iter().chain(&y).all(|&v| v == 5));
+        assert!(r.buffer().is_empty());
     }
 }

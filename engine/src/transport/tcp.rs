@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use rustix::net::{SendFlags, send};
 use tracing::{debug, warn};
 
-use super::io::{Until, discard, read_exact_vectored, spin_until_readable, write_all_vectored};
+use super::io::{SpinReader, Until, discard, read_exact_vectored, spin_fill, write_all_vectored};
 use super::staging::{Span, Staging, device_of};
 use super::{Piece, PlannedTable, Transport, TransportKind, TransportStats};
 use crate::batch::Job;
@@ -107,7 +107,7 @@ const INLINE_MAX: usize = 64 << 10;
 const READ_AHEAD: usize = 16 << 10;
 
 /// The read half of a connection, read only by whoever holds the reading turn.
-type Inbox = BufReader<TcpStream>;
+type Inbox = BufReader<SpinReader<TcpStream>>;
 
 #[derive(Debug)]
 enum Work {
@@ -165,6 +165,7 @@ pub(crate) struct TcpLink {
 
 pub(crate) struct TcpOptions {
     pub connections: usize,
+    pub buffer: crate::TcpBuffer,
     pub chunk_bytes: u64,
     pub staging_bytes: u64,
     /// Connect and handshake, each connection, within this.
@@ -194,6 +195,9 @@ impl TcpLink {
             stream
                 .set_nodelay(true)
                 .map_err(|e| Error::io("set TCP_NODELAY", e))?;
+            opts.buffer
+                .apply(&stream)
+                .map_err(|e| Error::io("set tcp buffer sizes", e))?;
             if let Some(tls) = &opts.tls {
                 stream = super::tls_relay::client(stream, tls, deadline)
                     .map_err(|e| Error::io(format!("tls to {peer}"), e))?;
@@ -448,7 +452,10 @@ impl Conn {
             }),
             wake: Condvar::new(),
             pending: Mutex::default(),
-            inbox: Mutex::new(BufReader::with_capacity(READ_AHEAD, reader)),
+            inbox: Mutex::new(BufReader::with_capacity(
+                READ_AHEAD,
+                SpinReader::new(reader),
+            )),
             reading: Mutex::new(false),
             read_turn: Condvar::new(),
             alive: AtomicBool::new(true),
@@ -578,12 +585,7 @@ impl Conn {
         let mut outcome = Ok(());
         let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
         while !job.is_finished() && !self.nothing_pending() {
-            // Bytes already read ahead need no wait (poll would not see them).
-            let ready = if inbox.buffer().is_empty() {
-                wait_readable(inbox.get_ref(), deadline, self.busy_poll)
-            } else {
-                Ok(true)
-            };
+            let ready = wait_readable(&mut inbox, deadline, self.busy_poll);
             match ready {
                 Ok(true) => {}
                 // Past the batch's deadline: the caller's wait reports the timeout, and the
@@ -969,17 +971,18 @@ impl Conn {
     }
 }
 
-/// Waits until the socket has bytes (or an error/hang-up) to read; false at the deadline. For
-/// the first `busy_poll` it polls without sleeping.
+/// Waits until the inbox has bytes (read ahead already, or on the socket; or an error/hang-up)
+/// to read; false at the deadline. For the first `busy_poll` it reads ahead without sleeping.
 fn wait_readable(
-    stream: &TcpStream,
+    inbox: &mut Inbox,
     deadline: Instant,
     busy_poll: Duration,
 ) -> std::io::Result<bool> {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    if spin_until_readable(stream, busy_poll, Some(deadline))? {
+    if spin_fill(inbox, busy_poll, Some(deadline)) {
         return Ok(true);
     }
+    let stream = inbox.get_ref().socket();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -1108,22 +1111,24 @@ mod tests {
     #[test]
     fn a_busy_poll_window_ends_at_the_deadline_and_sees_bytes_at_once() {
         let (a, mut b) = pair();
+        let mut a: Inbox = BufReader::with_capacity(READ_AHEAD, SpinReader::new(a));
         let ms = Duration::from_millis;
         // Nothing to read: a window longer than the batch's deadline still ends at the deadline,
         // and one shorter than it sleeps until the deadline.
         for window in [Duration::from_secs(60), ms(5), Duration::ZERO] {
             let start = Instant::now();
-            assert!(!wait_readable(&a, start + ms(50), window).unwrap());
+            assert!(!wait_readable(&mut a, start + ms(50), window).unwrap());
             let took = start.elapsed();
             assert!(took >= ms(50) && took < Duration::from_secs(10), "{took:?}");
         }
-        // A byte waiting is seen at once, polling or not.
+        // A byte waiting is seen at once, polling or not, and one read ahead counts.
         b.write_all(b"x").unwrap();
-        for window in [Duration::from_secs(60), Duration::ZERO] {
+        for window in [Duration::ZERO, Duration::from_secs(60), Duration::ZERO] {
             let start = Instant::now();
-            assert!(wait_readable(&a, start + Duration::from_secs(60), window).unwrap());
+            assert!(wait_readable(&mut a, start + Duration::from_secs(60), window).unwrap());
             assert!(start.elapsed() < Duration::from_secs(10));
         }
+        assert_eq!(a.buffer(), b"x", "read ahead by the polling window");
     }
 
     use crate::block_table::{BlockPair, TableShape};

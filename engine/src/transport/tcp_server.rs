@@ -13,7 +13,7 @@ use tracing::{debug, info};
 
 use super::TransportKind;
 use super::io::{
-    discard, extend_to_len, hang_up, read_exact_vectored, read_to_len, spin_until_readable,
+    SpinReader, discard, extend_to_len, hang_up, read_exact_vectored, read_to_len, spin_fill,
     write_all_vectored,
 };
 use super::listener::Admission;
@@ -48,6 +48,10 @@ pub(crate) fn serve_conn(
     peer: String,
     admission: Admission<TcpStream>,
 ) {
+    if let Err(e) = target.config.tcp_buffer.apply(&stream) {
+        // The connection still works, with the kernel's buffers.
+        debug!(%peer, error = %e, "tcp buffer sizes not set");
+    }
     if let Some(tls) = &target.config.tls {
         let deadline = std::time::Instant::now() + target.config.handshake_timeout;
         match super::tls_relay::server(stream, tls, deadline) {
@@ -71,7 +75,7 @@ pub(crate) fn serve_conn(
         return;
     }
     let input = match stream.try_clone() {
-        Ok(s) => BufReader::with_capacity(READ_AHEAD, s),
+        Ok(s) => BufReader::with_capacity(READ_AHEAD, SpinReader::new(s)),
         Err(e) => {
             info!(%peer, error = %e, "closing tcp data connection");
             return;
@@ -112,7 +116,7 @@ struct ServerConn {
     target: Arc<Target>,
     peer: String,
     /// The read half: every frame is read through it, replies are written to the stream.
-    input: BufReader<TcpStream>,
+    input: BufReader<SpinReader<TcpStream>>,
     manifest: Vec<u8>,
     scratch: Vec<u8>,
     /// The trace context of the chunk being served, for the observer.
@@ -146,11 +150,9 @@ impl Checked {
 impl ServerConn {
     fn serve_one(&mut self, s: &mut TcpStream) -> Result<()> {
         let spin = self.target.config.spin_wait;
-        if !spin.is_zero() && self.input.buffer().is_empty() {
-            // The initiator's next request often follows its last reply within microseconds;
-            // whether it came or not, the read below waits as ever (with the idle timeout).
-            let _ = spin_until_readable(self.input.get_ref(), spin, None);
-        }
+        // The initiator's next request often follows its last reply within microseconds;
+        // whether it came or not, the read below waits as ever (with the idle timeout).
+        spin_fill(&mut self.input, spin, None);
         let h = read_header(&mut self.input, &self.peer)?;
         let (started, clock) = (Instant::now(), SystemTime::now());
         self.trace = None;
