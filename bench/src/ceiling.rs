@@ -16,7 +16,7 @@ use kvfabric_proto::bytesize::human;
 
 use crate::control::{ControlClient, Reply, Request};
 use crate::error::{Error, Result};
-use crate::scatter::Scatter;
+use crate::scatter::RawPool;
 use crate::stats::percentile;
 
 /// One raw variant's result.
@@ -31,6 +31,10 @@ pub struct Ceiling {
 /// Bytes a hot stream moves per call, from and into one buffer that stays in the caches: what
 /// the kernel's TCP path itself allows, with no cold memory on either end.
 pub const HOT_BYTES: u64 = 256 << 10;
+
+/// Bytes a hot stream hands to one readv/writev (the buffer named as many times): what a call
+/// that large costs the kernel, which kvfabric's own calls of up to a chunk approach.
+pub const HOT_CALL_BYTES: u64 = 4 << 20;
 
 /// A silent spinning peer sleeps after this long without a byte (an idle ping-pong must not hold
 /// a core).
@@ -100,6 +104,14 @@ impl StreamShape {
         self.streams.max(1) * if self.flow == Flow::Both { 2 } else { 1 }
     }
 
+    /// Times a hot stream's buffer is named in one call (1: a scatter pool).
+    fn repeat(&self) -> u32 {
+        match self.buffers {
+            Buffers::Hot => (HOT_CALL_BYTES / HOT_BYTES) as u32,
+            Buffers::SameShape { .. } => 1,
+        }
+    }
+
     /// Each stream's pool and the bytes of one of its places.
     fn share(&self) -> (u64, u64) {
         match self.buffers {
@@ -121,8 +133,11 @@ pub fn tcp_stream(control: SocketAddr, shape: StreamShape, secs: f64) -> Result<
     let streams = shape.total();
     let (share, block) = shape.share();
     // Pools are made (and their pages touched) before the clock starts.
-    let pools: Vec<Scatter> = (0..streams)
-        .map(|i| Scatter::new(share as usize, block as usize, 100 + i as u64))
+    let pools: Vec<RawPool> = (0..streams)
+        .map(|i| {
+            let repeat = shape.repeat() as usize;
+            RawPool::new(share as usize, block as usize, repeat, 100 + i as u64)
+        })
         .collect();
     // Every stream connects and the target fills its side first; then all start together.
     let go = Arc::new(Barrier::new(streams + 1));
@@ -155,13 +170,13 @@ fn one_stream(
     control: SocketAddr,
     shape: StreamShape,
     towards_target: bool,
-    mut pool: Scatter,
+    mut pool: RawPool,
     span: Duration,
     go: &Barrier,
 ) -> Result<u64> {
     let io = |e| Error::io("ceiling stream", e);
     let (bytes, block_size) = shape.share();
-    let socket_buffer = shape.socket_buffer;
+    let (socket_buffer, repeat) = (shape.socket_buffer, shape.repeat());
     let set_buffer = |s: &TcpStream| {
         socket_buffer
             .map_or(Ok(()), |n| TcpBuffer::Bytes(n).apply(s))
@@ -174,6 +189,7 @@ fn one_stream(
                 bytes,
                 block_size,
                 socket_buffer,
+                repeat,
             },
         );
         go.wait();
@@ -200,6 +216,7 @@ fn one_stream(
                 bytes,
                 block_size,
                 socket_buffer,
+                repeat,
             },
         );
         go.wait();

@@ -42,6 +42,10 @@ pub enum Request {
         /// SO_SNDBUF/SO_RCVBUF on the target's end (None: autotuning).
         #[serde(default)]
         socket_buffer: Option<u32>,
+        /// Above 1: one cache-resident buffer of `bytes`, named this many times per call
+        /// (`scatter::Hot`).
+        #[serde(default)]
+        repeat: u32,
     },
     /// Ceiling: write a raw stream from random blocks of a `bytes` pool until the initiator hangs
     /// up.
@@ -50,6 +54,8 @@ pub enum Request {
         block_size: u64,
         #[serde(default)]
         socket_buffer: Option<u32>,
+        #[serde(default)]
+        repeat: u32,
     },
     /// Ceiling: answer each 32-byte request with `size` bytes; with `spin`, polling the socket
     /// without sleeping.

@@ -2,6 +2,8 @@
 //! ceiling streams through the same access pattern as the row, minus kvfabric's framing.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -97,6 +99,114 @@ impl Scatter {
     }
 }
 
+/// One cache-resident buffer streamed through with calls of `repeat` times its size (every
+/// iovec of a call names the whole buffer): the kernel's TCP path with no cold memory on either
+/// end and as few syscalls as a large vectored call allows.
+#[derive(Debug)]
+pub struct Hot {
+    buf: Vec<u8>,
+    repeat: usize,
+}
+
+impl Hot {
+    pub fn new(bytes: usize, repeat: usize, seed: u64) -> Hot {
+        let mut buf = vec![0u8; bytes.max(1)];
+        super::pattern::fill_pool(seed, buf.len(), &mut buf);
+        Hot {
+            buf,
+            repeat: repeat.clamp(1, 1024),
+        }
+    }
+
+    fn call_bytes(&self) -> usize {
+        self.buf.len() * self.repeat
+    }
+
+    pub fn write_some(&mut self, w: &mut TcpStream) -> io::Result<usize> {
+        let mut bufs = vec![IoSlice::new(&self.buf); self.repeat];
+        let mut left: &mut [IoSlice<'_>] = &mut bufs;
+        let mut total = 0;
+        while !left.is_empty() {
+            match w.write_vectored(left) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(k) => {
+                    total += k;
+                    IoSlice::advance_slices(&mut left, k);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(total)
+    }
+
+    /// Reads up to one call's bytes, every iovec into the same buffer (less at end of stream);
+    /// 0 only at end of stream. readv(2) itself, since Rust's `IoSliceMut`s may not alias.
+    pub fn read_some(&mut self, r: &mut TcpStream) -> io::Result<usize> {
+        let (len, want) = (self.buf.len(), self.call_bytes());
+        let mut got = 0;
+        while got < want {
+            let skip = got % len;
+            let iov: Vec<libc::iovec> = (0..(want - got).div_ceil(len).min(self.repeat))
+                .map(|i| {
+                    let from = if i == 0 { skip } else { 0 };
+                    libc::iovec {
+                        // SAFETY: in bounds of `buf` (from < len).
+                        iov_base: unsafe { self.buf.as_mut_ptr().add(from) }.cast(),
+                        iov_len: len - from,
+                    }
+                })
+                .collect();
+            // SAFETY: every iovec lies inside `buf`, which outlives the call; the kernel writes
+            // them one after another, so names of the same bytes are harmless.
+            let n = unsafe { libc::readv(r.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
+            match n {
+                0 => break,
+                n if n > 0 => got += n as usize,
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(got)
+    }
+}
+
+/// What one end of a raw ceiling stream reads and writes.
+#[derive(Debug)]
+pub enum RawPool {
+    Scatter(Scatter),
+    Hot(Hot),
+}
+
+impl RawPool {
+    /// A `Hot` buffer when `repeat` > 1, else a `Scatter` pool of `bytes` in `block` places.
+    pub fn new(bytes: usize, block: usize, repeat: usize, seed: u64) -> RawPool {
+        if repeat > 1 {
+            RawPool::Hot(Hot::new(bytes, repeat, seed))
+        } else {
+            RawPool::Scatter(Scatter::new(bytes, block, seed))
+        }
+    }
+
+    pub fn write_some(&mut self, w: &mut TcpStream) -> io::Result<usize> {
+        match self {
+            RawPool::Scatter(s) => s.write_some(w),
+            RawPool::Hot(h) => h.write_some(w),
+        }
+    }
+
+    pub fn read_some(&mut self, r: &mut TcpStream) -> io::Result<usize> {
+        match self {
+            RawPool::Scatter(s) => s.read_some(r),
+            RawPool::Hot(h) => h.read_some(r),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,5 +226,32 @@ mod tests {
         sorted_a.sort();
         sorted_b.sort();
         assert_eq!(sorted_a, sorted_b);
+    }
+
+    #[test]
+    fn a_hot_stream_moves_whole_calls_through_one_buffer() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let mut tx = Hot::new(4096, 8, 3);
+        let mut rx = Hot::new(4096, 8, 4);
+        let sent = std::thread::spawn(move || {
+            let n = tx.write_some(&mut a).unwrap();
+            drop(a);
+            (n, tx.buf)
+        });
+        let mut got = 0;
+        loop {
+            match rx.read_some(&mut b).unwrap() {
+                0 => break,
+                n => got += n,
+            }
+        }
+        let (n, buf) = sent.join().unwrap();
+        assert_eq!((n, got), (8 * 4096, 8 * 4096));
+        assert_eq!(
+            rx.buf, buf,
+            "the last copy of the buffer is what the reader holds"
+        );
     }
 }

@@ -14,7 +14,7 @@ use crate::ceiling;
 use crate::control::{Reply, Request};
 use crate::error::{Error, Result};
 use crate::pattern;
-use crate::scatter::Scatter;
+use crate::scatter::RawPool;
 
 /// How long in-flight work may take to finish after a stop signal.
 const GRACE: Duration = Duration::from_secs(5);
@@ -144,21 +144,21 @@ fn serve_control(engine: &Engine, rt: &tokio::runtime::Handle, stream: TcpStream
                 bytes,
                 block_size,
                 socket_buffer,
+                repeat,
             }) if bytes <= MAX_SCRATCH => {
                 set_buffer(&out, socket_buffer)?;
-                return sink(
-                    reader,
-                    out,
-                    Scatter::new(bytes as usize, block_size as usize, 8),
-                );
+                let pool = RawPool::new(bytes as usize, block_size as usize, repeat as usize, 8);
+                return sink(reader, out, pool);
             }
             Ok(Request::Source {
                 bytes,
                 block_size,
                 socket_buffer,
+                repeat,
             }) if bytes <= MAX_SCRATCH => {
                 set_buffer(&out, socket_buffer)?;
-                return source(out, Scatter::new(bytes as usize, block_size as usize, 9));
+                let pool = RawPool::new(bytes as usize, block_size as usize, repeat as usize, 9);
+                return source(out, pool);
             }
             Ok(Request::Sink { bytes, .. } | Request::Source { bytes, .. }) => Reply::Error {
                 message: format!("ceiling pool of {bytes} bytes exceeds {MAX_SCRATCH}"),
@@ -255,7 +255,7 @@ fn ready(out: &mut TcpStream) -> Result<()> {
         .map_err(|e| Error::io("write control", e))
 }
 
-fn sink(reader: BufReader<TcpStream>, mut out: TcpStream, mut pool: Scatter) -> Result<()> {
+fn sink(reader: BufReader<TcpStream>, mut out: TcpStream, mut pool: RawPool) -> Result<()> {
     ready(&mut out)?;
     // The client waits for `ready` before streaming, so the reader holds no buffered bytes.
     let mut s = reader.into_inner();
@@ -274,7 +274,7 @@ fn sink(reader: BufReader<TcpStream>, mut out: TcpStream, mut pool: Scatter) -> 
         .map_err(|e| Error::io("write control", e))
 }
 
-fn source(mut out: TcpStream, mut pool: Scatter) -> Result<()> {
+fn source(mut out: TcpStream, mut pool: RawPool) -> Result<()> {
     ready(&mut out)?;
     // Ends when the initiator hangs up.
     while pool.write_some(&mut out).is_ok() {}
