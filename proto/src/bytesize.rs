@@ -22,6 +22,7 @@ pub fn parse(s: &str) -> Result<u64, String> {
 
 /// `auto`, `kernel`, or a byte count as [`parse`] reads it: a tcp data connection's buffers
 /// (`kvfabric_engine::TcpBuffer`), as the agent's and the bench's flags take them.
+#[cfg(feature = "engine")]
 pub fn parse_tcp_buffer(s: &str) -> Result<kvfabric_engine::TcpBuffer, String> {
     use kvfabric_engine::TcpBuffer;
     match s.trim() {
@@ -67,5 +68,16 @@ mod tests {
         assert!(parse("99999999999999999999").is_err());
         assert_eq!(human(32768), "32 KiB");
         assert_eq!(human(1000), "1000 B");
+    }
+
+    #[cfg(feature = "engine")]
+    #[test]
+    fn tcp_buffers_are_words_or_sizes() {
+        use kvfabric_engine::TcpBuffer;
+        assert_eq!(parse_tcp_buffer("auto"), Ok(TcpBuffer::Auto));
+        assert_eq!(parse_tcp_buffer("kernel"), Ok(TcpBuffer::Kernel));
+        assert_eq!(parse_tcp_buffer("256KiB"), Ok(TcpBuffer::Bytes(256 << 10)));
+        assert!(parse_tcp_buffer("4GiB").is_err());
+        assert!(parse_tcp_buffer("big").is_err());
     }
 }
