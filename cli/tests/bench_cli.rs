@@ -120,14 +120,19 @@ fn small_run_verifies_both_pools_and_reports_bounds() {
         .map(|r| r["transport"].as_str().unwrap())
         .collect();
     assert_eq!(kinds, ["tcp", "tcp", "shm", "shm"]);
-    // tcp: raw streams on hot buffers, 1…4 of them (kvfabric's connections), and the row's own
-    // shape beside them.
+    // tcp: raw streams on hot buffers, 1…4 of them (kvfabric's connections), each with the
+    // kernel's buffers and three sizes (kvfabric's own 256 KiB among them, on loopback), and the
+    // row's own shape with kvfabric's buffers beside them.
+    let expected: Vec<String> = [1, 2, 4]
+        .iter()
+        .flat_map(|n| {
+            ["", " buf 64 KiB", " buf 256 KiB", " buf 1 MiB"]
+                .map(|buf| format!("raw tcp ×{n} hot{buf}"))
+        })
+        .collect();
     for r in &rows[..2] {
-        assert_eq!(
-            names(&r["bound"]),
-            ["raw tcp ×1 hot", "raw tcp ×2 hot", "raw tcp ×4 hot"]
-        );
-        assert_eq!(r["same_shape"]["name"], "raw tcp ×4 same shape");
+        assert_eq!(names(&r["bound"]), expected);
+        assert_eq!(r["same_shape"]["name"], "raw tcp ×4 same shape buf 256 KiB");
     }
     // shm: memcpy on as many threads as the engine copies with.
     let threads = std::thread::available_parallelism()

@@ -25,16 +25,12 @@ pub fn parse(s: &str) -> Result<u64, String> {
 #[cfg(feature = "engine")]
 pub fn parse_tcp_buffer(s: &str) -> Result<kvfabric_engine::TcpBuffer, String> {
     use kvfabric_engine::TcpBuffer;
-    match s.trim() {
-        "auto" => Ok(TcpBuffer::Auto),
-        "kernel" => Ok(TcpBuffer::Kernel),
-        n => {
-            let n = parse(n).map_err(|e| format!("{e}; or auto, or kernel"))?;
-            u32::try_from(n)
-                .map(TcpBuffer::Bytes)
-                .map_err(|_| format!("{s:?} is too large for a socket buffer"))
-        }
-    }
+    s.parse::<TcpBuffer>().or_else(|_| {
+        let n = parse(s).map_err(|e| format!("{e}; or auto, or kernel"))?;
+        u32::try_from(n)
+            .map(TcpBuffer::Bytes)
+            .map_err(|_| format!("{s:?} is too large for a socket buffer"))
+    })
 }
 
 /// 32768 → "32 KiB"; exact powers read better in tables than raw numbers.
