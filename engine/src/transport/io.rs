@@ -122,7 +122,7 @@ impl<S: Read + AsFd> Read for SpinReader<S> {
 
 /// Reads ahead into `reader` without sleeping, for at most `window` (and never past `deadline`,
 /// if any): true as soon as it holds bytes (or the peer hung up, or the socket failed: the read
-/// that follows sees which), false when the window ends first. A message due within
+/// that follows then sees the end), false when the window ends first. A message due within
 /// microseconds then costs no sleep and wake-up of the waiting thread, and no poll(2) besides
 /// the read.
 pub(crate) fn spin_fill<S: Read + AsFd>(
