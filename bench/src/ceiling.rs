@@ -127,6 +127,12 @@ impl StreamShape {
     }
 }
 
+/// Both buffers of one end of a raw stream (None: the kernel's autotuning, left alone).
+pub fn set_socket_buffer(s: &TcpStream, size: Option<u32>) -> Result<()> {
+    size.map_or(Ok(()), |n| TcpBuffer::Bytes(n).apply(s))
+        .map_err(|e| Error::io("set ceiling socket buffers", e))
+}
+
 /// Raw TCP streams in the direction the data of the row flows, all at once for `secs`.
 pub fn tcp_stream(control: SocketAddr, shape: StreamShape, secs: f64) -> Result<Ceiling> {
     let span = Duration::from_secs_f64(secs);
@@ -177,11 +183,7 @@ fn one_stream(
     let io = |e| Error::io("ceiling stream", e);
     let (bytes, block_size) = shape.share();
     let (socket_buffer, repeat) = (shape.socket_buffer, shape.repeat());
-    let set_buffer = |s: &TcpStream| {
-        socket_buffer
-            .map_or(Ok(()), |n| TcpBuffer::Bytes(n).apply(s))
-            .map_err(io)
-    };
+    let set_buffer = |s: &TcpStream| set_socket_buffer(s, socket_buffer);
     if towards_target {
         let s = ControlClient::raw(
             control,

@@ -11,6 +11,24 @@ use rand::{Rng, SeedableRng};
 /// Blocks handed to one readv/writev.
 const PER_CALL: usize = 64;
 
+/// Writes every buffer (as many writev calls as it takes); returns their bytes.
+fn write_all<W: Write>(w: &mut W, bufs: &mut [IoSlice<'_>]) -> io::Result<usize> {
+    let mut left = bufs;
+    let mut total = 0;
+    while !left.is_empty() {
+        match w.write_vectored(left) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(k) => {
+                total += k;
+                IoSlice::advance_slices(&mut left, k);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(total)
+}
+
 #[derive(Debug)]
 pub struct Scatter {
     buf: Vec<u8>,
@@ -51,20 +69,7 @@ impl Scatter {
             .iter()
             .map(|&b| IoSlice::new(&self.buf[b * self.block..(b + 1) * self.block]))
             .collect();
-        let mut left: &mut [IoSlice<'_>] = &mut bufs;
-        let mut total = 0;
-        while !left.is_empty() {
-            match w.write_vectored(left) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(k) => {
-                    total += k;
-                    IoSlice::advance_slices(&mut left, k);
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(total)
+        write_all(w, &mut bufs)
     }
 
     /// Fills one batch of random blocks (as many readv calls as it takes, less at end of
@@ -124,20 +129,7 @@ impl Hot {
 
     pub fn write_some(&mut self, w: &mut TcpStream) -> io::Result<usize> {
         let mut bufs = vec![IoSlice::new(&self.buf); self.repeat];
-        let mut left: &mut [IoSlice<'_>] = &mut bufs;
-        let mut total = 0;
-        while !left.is_empty() {
-            match w.write_vectored(left) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(k) => {
-                    total += k;
-                    IoSlice::advance_slices(&mut left, k);
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(total)
+        write_all(w, &mut bufs)
     }
 
     /// Reads up to one call's bytes, every iovec into the same buffer (less at end of stream);

@@ -146,7 +146,7 @@ fn serve_control(engine: &Engine, rt: &tokio::runtime::Handle, stream: TcpStream
                 socket_buffer,
                 repeat,
             }) if bytes <= MAX_SCRATCH => {
-                set_buffer(&out, socket_buffer)?;
+                ceiling::set_socket_buffer(&out, socket_buffer)?;
                 let pool = RawPool::new(bytes as usize, block_size as usize, repeat as usize, 8);
                 return sink(reader, out, pool);
             }
@@ -156,7 +156,7 @@ fn serve_control(engine: &Engine, rt: &tokio::runtime::Handle, stream: TcpStream
                 socket_buffer,
                 repeat,
             }) if bytes <= MAX_SCRATCH => {
-                set_buffer(&out, socket_buffer)?;
+                ceiling::set_socket_buffer(&out, socket_buffer)?;
                 let pool = RawPool::new(bytes as usize, block_size as usize, repeat as usize, 9);
                 return source(out, pool);
             }
@@ -241,11 +241,6 @@ fn handle(engine: &Engine, rt: &tokio::runtime::Handle, req: Request) -> Result<
             unreachable!("raw modes are served by serve_control")
         }
     })
-}
-
-fn set_buffer(s: &TcpStream, size: Option<u32>) -> Result<()> {
-    size.map_or(Ok(()), |n| TcpBuffer::Bytes(n).apply(s))
-        .map_err(|e| Error::io("set ceiling socket buffers", e))
 }
 
 fn ready(out: &mut TcpStream) -> Result<()> {
