@@ -31,3 +31,8 @@ class InvalidArgument(KvfabricError, ValueError):
         super().__init__(text)
         self.field = field
         self.value = value
+
+
+class Unsupported(KvfabricError):
+    """What is asked is a case kvfabric does not implement; the message says which and what
+    to do instead. Raised at start, never mid-request."""

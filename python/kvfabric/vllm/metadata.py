@@ -1,9 +1,13 @@
 """What the connector's scheduler side tells its workers each step, and what the workers tell
-the scheduler once at start (vLLM's handshake metadata: their segments and layout)."""
+the scheduler once at start (vLLM's handshake metadata)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from .params import Handover
+from .plan import GroupBlocks
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -18,40 +22,26 @@ except ImportError:
 
 @dataclass
 class WorkerSegments(KVConnectorHandshakeMetadata):
-    """One worker's segments: its KV cache and its acknowledgement mailbox, with their keys, and
-    the block layout a peer must share to read it (plane sizes per layer)."""
+    """One worker's KV cache segment, its key, and its layout (``WorkerLayout.wire()``)."""
 
     kv: str
     kv_key: int
-    acks: str
-    acks_key: int
-    layout: tuple[tuple[int, ...], ...]
+    layout: list[Any]
 
 
 @dataclass
 class Load:
-    """Decode side: pull ``remote_block_ids`` of the prefill worker's segment into
-    ``local_block_ids`` (empty: nothing to pull, only acknowledge), then write ``nonce`` into
-    slot ``slot`` of its mailbox so it frees the blocks."""
+    """Decode side: pull the request's KV from the prefill workers of ``handover`` into the
+    blocks of ``groups`` (one per KV cache group), then check the hold is still alive."""
 
-    remote: list[dict]
-    slot: int
-    nonce: int
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
-
-
-@dataclass
-class Hold:
-    """Prefill side: keep the request's blocks until ``nonce`` shows up in mailbox slot
-    ``slot`` or ``lease_s`` pass."""
-
-    slot: int
-    nonce: int
-    lease_s: float
+    handover: Handover
+    groups: tuple[GroupBlocks, ...]
 
 
 @dataclass
 class KVFabricMetadata(KVConnectorMetadata):
+    """``loads`` to start; ``releases``: held prefill requests whose blocks vLLM may free now
+    (every worker reports them as finished sending)."""
+
     loads: dict[str, Load] = field(default_factory=dict)
-    holds: dict[str, Hold] = field(default_factory=dict)
+    releases: set[str] = field(default_factory=set)

@@ -1,12 +1,17 @@
-"""The scheduler side of the connector: which requests pull blocks (decode), which hold theirs
-for a peer to pull (prefill), and the ``kv_transfer_params`` between the two.
+"""The scheduler side of the connector: which requests pull KV (decode), which hold their blocks
+for a decode to pull (prefill), the ``kv_transfer_params`` between the two (params.py), and
+the holds' life through the instance's mailbox (mailbox.py).
 
-The request protocol is NixlConnector's, so P/D proxies written for it route kvfabric
-deployments unchanged: a prefill request with ``{"do_remote_decode": true}`` finishes with
-``do_remote_prefill``, ``remote_block_ids``, ``remote_engine_id``, ... in its output params, and
-a decode request given those pulls the blocks. kvfabric's own part is one entry, ``kvfabric``:
-the prefill workers' segment names and keys, the mailbox slot and nonce that acknowledge the
-pull, and the layout the decode side checks before reading.
+Prefill: a request handed over keeps its blocks under a hold (a mailbox slot and a random
+nonce) until the decode acknowledges it or the lease ends; a decode that waits renews the
+lease. The hold's ``state`` word is cleared before the workers are told to release the blocks,
+so a decode's check after its pull sees any end of the hold.
+
+Decode: a request whose params can be read here is reported as externally computed; its
+workers pull the blocks vLLM allocated for the tokens that are not local prefix-cache hits;
+the acknowledgement goes once every worker has finished (vLLM's aggregated
+``finished_recving``). A request that will not be pulled (no params of ours, another model,
+an ended lease, ...) is recomputed; why is said once in the log and counted in the metrics.
 """
 
 from __future__ import annotations
@@ -14,114 +19,326 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .metadata import Hold, KVFabricMetadata, Load, WorkerSegments
+from ..errors import InvalidArgument
+from .layout import WorkerLayout, worker_from_wire
+from .mailbox import Mailbox
+from .metadata import KVFabricMetadata, Load, WorkerSegments
+from .params import VERSION, Handover, Segment, handover_of
+from .plan import GroupBlocks, Incompatible, Reason, make_plan
+from .stats import KVFabricStats
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvfabric")
 
-# A pull must start this long before the lease ends (clock skew between nodes, the pull itself).
-EXPIRY_MARGIN_S = 1.0
+# A pull is not started this close to the end of the hold's lease (the check after the pull
+# catches the rest: a clock between instances can be off by this much without recomputes).
+EXPIRY_MARGIN_S = 0.5
+MAX_LOGGED_REASONS = 256
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the scheduler side needs of vLLM's config, as plain values (connector.py fills
+    it): the engine's id and segment prefix, its scheduler block size and parallel sizes, the
+    transfer KV cache groups (their index among vLLM's groups and sliding window in tokens, 0
+    for full attention), how many trailing prompt tokens a prefill leaves to the decode, and
+    the id of vLLM's null block."""
+
+    engine_id: str
+    prefix: str
+    block_size: int
+    tp_size: int
+    pp_size: int
+    groups: tuple[tuple[int, int], ...] = ((0, 0),)
+    backoff: int = 0
+    null_block: int = 0
+
+
+@dataclass
+class _Hold:
+    slot: int
+    nonce: int
+    started: float
+    expiry: float
+    renewals: int = 0
+    announced: bool = False
+    released: bool = False
+    reported: bool = False
+
+
+@dataclass
+class _Lease:
+    """A hold of another instance this decode still means to read: renewed until pulled."""
+
+    mailbox: Segment
+    slots: int
+    slot: int
+    nonce: int
+    interval: float
+    next_at: float
+    count: int = 0
+    expires_at: float = 0.0
+
+
+@dataclass
+class _Pending:
+    handover: Handover | None = None
+    error: Incompatible | None = None
+    renewed_until: list[float] = field(default_factory=lambda: [0.0])
 
 
 class Scheduler:
-    def __init__(self, vllm_config: VllmConfig, settings: Any) -> None:
+    def __init__(self, info: EngineInfo, settings: Any, mailbox: Mailbox) -> None:
+        self.info = info
         self.settings = settings
-        self.engine_id = vllm_config.kv_transfer_config.engine_id
-        self.block_size = vllm_config.cache_config.block_size
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.workers: dict[int, WorkerSegments] = {}
-        self.free_slots = list(range(settings.max_held_requests - 1, -1, -1))
-        self.slot_of: dict[str, int] = {}
+        self.mailbox = mailbox
+        self.local: dict[tuple[int, int], WorkerSegments] = {}
+        self.local_layouts: list[WorkerLayout] = []
+        self.free_slots = list(range(mailbox.slots - 1, -1, -1))
+        self.holds: dict[str, _Hold] = {}
+        self.by_slot: dict[int, str] = {}
         self.loads: dict[str, Load] = {}
-        self.holds: dict[str, Hold] = {}
+        self.releases: set[str] = set()
+        self.pending: dict[str, _Pending] = {}
+        self.leases: dict[str, _Lease] = {}
+        self.awaiting: set[str] = set()
+        self.plans: dict[str, Incompatible | None] = {}
+        self.logged: set[tuple[str, str]] = set()
+        self.stats = KVFabricStats()
 
-    def set_workers(self, metadata: dict[int, WorkerSegments]) -> None:
-        self.workers = dict(metadata)
+    # -- start -----------------------------------------------------------------------------
 
-    def _layout(self) -> list[list[int]] | None:
-        w = self.workers.get(0)
-        return [list(p) for p in w.layout] if w else None
+    def set_workers(self, metadata: dict[tuple[int, int], WorkerSegments]) -> None:
+        self.local = dict(sorted(metadata.items()))
+        self.local_layouts = [
+            worker_from_wire(w.layout, f"worker[{k}]") for k, w in self.local.items()
+        ]
 
-    def _pullable(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The kvfabric entry of a decode request's params, when it is one this engine can read."""
+    def _workers_wire(self) -> tuple[list[Any], list[Any]]:
+        segs = [Segment(w.kv, w.kv_key).wire() for w in self.local.values()]
+        return segs, [w.layout for w in self.local.values()]
+
+    # -- decode side -----------------------------------------------------------------------
+
+    def _pending(self, request: Request) -> _Pending | None:
+        """The parsed handover of a decode request (or why it cannot be read), once per
+        request."""
+        params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return None
-        fab = params.get("kvfabric")
-        if not isinstance(fab, dict):
-            return None
-        if fab.get("layout") != self._layout() or len(fab.get("workers", ())) != self.tp_size:
+        got = self.pending.get(request.request_id)
+        if got is None:
+            got = self.pending[request.request_id] = _Pending()
+            try:
+                got.handover = handover_of(params)
+            except InvalidArgument as e:
+                got.error = Incompatible(Reason.INVALID_PARAMS, str(e))
+            if got.handover is not None:
+                got.error = self._compatible(got.handover) or self._covered(got.handover)
+                got.renewed_until[0] = got.handover.expires_at
+        return got
+
+    def _compatible(self, h: Handover) -> Incompatible | None:
+        """Whether every local worker can read this prefill's layout (made once per layout)."""
+        if h.layout_id not in self.plans:
+            if len(self.plans) >= 64:
+                self.plans.pop(next(iter(self.plans)))
+            err = None
+            try:
+                if len(h.block_ids) != len(self.info.groups):
+                    raise Incompatible(
+                        Reason.LAYERS,
+                        f"{len(h.block_ids)} KV cache groups there, {len(self.info.groups)} here",
+                    )
+                for w in self.local_layouts:
+                    make_plan(w, list(h.layouts))
+            except Incompatible as e:
+                err = e
+            self.plans[h.layout_id] = err
+        return self.plans[h.layout_id]
+
+    def _covered(self, h: Handover) -> Incompatible | None:
+        """Whether the remote block ids name a block for every position the decode reads
+        (every one in full-attention groups, the window's in sliding-window ones)."""
+        rb = h.layouts[0].block_size
+        n = -(-h.tokens // rb)
+        for i, ((_, window), ids) in enumerate(zip(self.info.groups, h.block_ids, strict=True)):
+            first = max(0, h.tokens - window) // rb if window else 0
+            if len(ids) < n or any(b < 0 for b in ids[first:n]):
+                return Incompatible(
+                    Reason.INVALID_PARAMS,
+                    f"remote_block_ids[{i}]: {len(ids)} ids, some freed, for {h.tokens} tokens "
+                    f"of blocks of {rb}",
+                )
+        return None
+
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            self._back_off(request)
+            return
+        p = self._pending(request)
+        if p is None or p.handover is None:
+            return
+        h = p.handover
+        interval = max(h.lease_s / 3, 0.05)
+        self.leases[request.request_id] = _Lease(
+            h.mailbox, h.slots, h.slot, h.nonce, interval, time.monotonic() + interval,
+            expires_at=h.expires_at,
+        )  # fmt: skip
+
+    def _back_off(self, request: Request) -> None:
+        """Prefill side: leave the last ``backoff`` prompt tokens to the decode (a
+        sliding-window group frees the token the decode's recompute of the last prompt token
+        still reads)."""
+        n = self.info.backoff
+        params = request.kv_transfer_params
+        if (
+            not n
+            or params.get("_kvfabric_backed_off")
+            or request.num_prompt_tokens <= n
+            or request.prompt_token_ids is None
+        ):
+            return
+        del request.prompt_token_ids[-n:]
+        del request._all_token_ids[-n:]
+        request.num_prompt_tokens -= n
+        request.max_tokens = 1
+        params["_kvfabric_backed_off"] = True
+
+    def _not_pulled(self, request: Request, reason: Reason, detail: str) -> None:
+        self.stats.not_pulled(reason.value)
+        key = (reason.value, str((request.kv_transfer_params or {}).get("remote_engine_id")))
+        if key not in self.logged:
+            if len(self.logged) < MAX_LOGGED_REASONS:
+                self.logged.add(key)
             log.warning(
-                "kvfabric: remote engine %s has another KV layout or TP size; recomputing",
-                params.get("remote_engine_id"),
+                "kvfabric: request %s is recomputed, not pulled from %s: %s "
+                "(said once per prefill engine and reason; counted in "
+                "vllm:kvfabric_not_pulled_total)",
+                request.request_id,
+                key[1],
+                f"{reason.value}: {detail}",
             )
-            return None
-        if time.time() > float(fab.get("expires_at", 0)) - EXPIRY_MARGIN_S:
-            # The prefill frees the blocks when its lease ends; reading them later could read
-            # another request's KV.
-            log.warning(
-                "kvfabric: the lease on request %s's blocks has ended; recomputing",
-                params.get("remote_request_id"),
-            )
-            return None
-        return fab
+        else:
+            log.debug("kvfabric: request %s not pulled: %s", request.request_id, detail)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        if self._pullable(request.kv_transfer_params) is None:
+        p = self._pending(request)
+        if p is None or p.error is not None or p.handover is None:
             return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
+        if time.time() > p.renewed_until[0] - EXPIRY_MARGIN_S:
+            return 0, False
+        count = min(p.handover.tokens, request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        fab = self._pullable(params)
-        if fab is None:
+        if not params or not params.get("do_remote_prefill"):
             return
-        local: list[int] = []
-        remote: list[int] = []
-        if num_external_tokens > 0:
-            ids = blocks.get_block_ids()[0]
-            computed = (request.num_computed_tokens) // self.block_size
-            first = computed
-            total = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
-            remote_ids = params.get("remote_block_ids") or [[]]
-            remote_ids = remote_ids[0] if remote_ids and isinstance(remote_ids[0], list) else []
-            total = min(total, len(ids), len(remote_ids))
-            local = list(ids[first:total])
-            remote = list(remote_ids[first:total])
-        self.loads[request.request_id] = Load(
-            remote=fab["workers"],
-            slot=int(fab["slot"]),
-            nonce=int(fab["nonce"], 16),
-            local_block_ids=local,
-            remote_block_ids=remote,
-        )
-        # One pull per request.
-        params["do_remote_prefill"] = False
+        p = self._pending(request)
+        params["do_remote_prefill"] = False  # one pull per request
+        if p is None:
+            return
+        if num_external_tokens > 0 and p.handover is not None and p.error is None:
+            groups = self._groups(blocks, p.handover, num_external_tokens)
+            self.loads[request.request_id] = Load(p.handover, groups)
+            self.awaiting.add(request.request_id)
+            return
+        if p.handover is None or p.error is not None:
+            err = p.error or Incompatible(Reason.INVALID_PARAMS, "no handover")
+            self._not_pulled(request, err.reason, err.detail)
+        elif time.time() > p.renewed_until[0] - EXPIRY_MARGIN_S:
+            self._not_pulled(request, Reason.EXPIRED, "the prefill's lease on its blocks ended")
+        else:
+            self.stats.count("local_hits")
+        self._done_with(request.request_id, ack=True)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVFabricMetadata:
-        meta = KVFabricMetadata(loads=self.loads, holds=self.holds)
-        self.loads, self.holds = {}, {}
-        return meta
+    def _groups(
+        self, blocks: KVCacheBlocks, h: Handover, num_external_tokens: int
+    ) -> tuple[GroupBlocks, ...]:
+        """Per transfer group: the positions vLLM allocated new blocks for (not prefix-cache
+        hits, not null blocks outside a sliding window) and the tokens to load."""
+        out = []
+        for (g, window), remote in zip(self.info.groups, h.block_ids, strict=True):
+            group = blocks.blocks[g]
+            hits = sum(1 for b in group if b.block_hash is not None or b.is_null)
+            end = min(h.tokens, hits * self.info.block_size + num_external_tokens)
+            end = min(end, (hits + len(group)) * self.info.block_size)
+            positions, ids = [], []
+            for i, b in enumerate(group):
+                if b.block_hash is None and not b.is_null:
+                    positions.append(i)
+                    ids.append(b.block_id)
+            first = max(0, end - window) if window else 0
+            out.append(GroupBlocks(tuple(positions), tuple(ids), remote, first, end))
+        return tuple(out)
+
+    def _done_with(self, req_id: str, ack: bool) -> None:
+        """Stops renewing the request's hold and (``ack``) tells the prefill to free it."""
+        p = self.pending.pop(req_id, None)
+        self.leases.pop(req_id, None)
+        self.awaiting.discard(req_id)
+        if ack and p is not None and p.handover is not None:
+            h = p.handover
+            if self.mailbox.ack(h.mailbox, h.slots, h.slot, h.nonce) is None:
+                self.stats.count("ack_failures")
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for req_id in output.finished_recving or ():
+            if req_id in self.awaiting:
+                self._done_with(req_id, ack=True)
         for req_id in output.finished_sending or ():
-            slot = self.slot_of.pop(req_id, None)
-            if slot is not None:
-                self.free_slots.append(slot)
+            hold = self.holds.pop(req_id, None)
+            if hold is not None:
+                self.by_slot.pop(hold.slot, None)
+                self.free_slots.append(hold.slot)
+
+    def _renew(self, now: float) -> None:
+        due: dict[Segment, list[tuple[str, _Lease]]] = {}
+        for req_id, lease in self.leases.items():
+            if lease.next_at <= now:
+                due.setdefault(lease.mailbox, []).append((req_id, lease))
+        for mailbox, leases in due.items():
+            for _, lease in leases:
+                lease.count += 1
+                lease.next_at = now + lease.interval
+            fut = self.mailbox.renew_holds(
+                mailbox, leases[0][1].slots, [(x.slot, x.nonce, x.count) for _, x in leases]
+            )
+            if fut is None:
+                continue
+            sent_at = time.time()
+            until = [
+                (self.pending[r].renewed_until, x.interval * 3)
+                for r, x in leases
+                if r in self.pending
+            ]
+
+            def renewed(f: Any, until: list = until, sent_at: float = sent_at) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    return
+                for cell, lease_s in until:
+                    cell[0] = max(cell[0], sent_at + lease_s)
+
+            fut.add_done_callback(renewed)
+            self.stats.count("renewals", len(leases))
+
+    # -- prefill side ----------------------------------------------------------------------
 
     def request_finished(
-        self, request: Request, block_ids: Any
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -129,74 +346,126 @@ class Scheduler:
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            # A decode request that never got to pull: acknowledge, so the prefill side frees
-            # its blocks now rather than at the end of the lease.
-            fab = self._pullable(params)
-            if fab is not None:
-                self.loads[request.request_id] = Load(
-                    fab["workers"], int(fab["slot"]), int(fab["nonce"], 16), [], []
-                )
+            # A decode request that never got blocks (aborted while queued): tell the
+            # prefill now rather than at the end of the lease.
             params["do_remote_prefill"] = False
+            self._done_with(request.request_id, ack=True)
+            return False, None
+        if request.request_id in self.pending or request.request_id in self.leases:
+            # A decode request whose load is in flight acknowledges when the workers are done
+            # (finished_recving); any other stops renewing now.
+            if request.request_id not in self.awaiting:
+                self._done_with(request.request_id, ack=False)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        # One KV cache group (a flat list), or one list per group (hybrid models).
-        block_ids = list(block_ids)
-        groups = (
-            [block_ids]
-            if all(isinstance(b, int) for b in block_ids)
-            else [list(g) for g in block_ids]
-        )
+        groups = [list(block_ids[g]) for g, _ in self.info.groups]
         if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         ) or not any(groups):
             return False, None
-        if len(self.workers) != self.tp_size:
+        if len(self.local) != self.info.tp_size * self.info.pp_size:
             log.warning(
                 "kvfabric: no worker segments known; request %s is not handed over",
                 request.request_id,
             )
             return False, None
         if not self.free_slots:
+            self.stats.count("holds_refused")
             log.warning(
                 "kvfabric: %d requests already hold blocks (max_held_requests); %s is not "
                 "handed over",
-                len(self.slot_of),
+                len(self.holds),
                 request.request_id,
             )
             return False, None
         slot = self.free_slots.pop()
         nonce = secrets.randbits(63) | 1
-        self.slot_of[request.request_id] = slot
-        self.holds[request.request_id] = Hold(slot, nonce, self.settings.lease_s)
-        workers = [
-            {
-                "kv": w.kv,
-                "kv_key": f"{w.kv_key:016x}",
-                "acks": w.acks,
-                "acks_key": f"{w.acks_key:016x}",
-            }
-            for _, w in sorted(self.workers.items())
-        ]
+        now = time.monotonic()
+        lease_s = self.settings.lease_s
+        self.holds[request.request_id] = _Hold(slot, nonce, now, now + lease_s)
+        self.by_slot[slot] = request.request_id
+        self.mailbox.hold(slot, nonce)
+        null = self.info.null_block
+        workers, layouts = self._workers_wire()
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": groups,
-            "remote_engine_id": self.engine_id,
+            "remote_block_ids": [[-1 if b == null else b for b in g] for g in groups],
+            "remote_engine_id": self.info.engine_id,
             "remote_request_id": request.request_id,
             # NixlConnector's side channel, which kvfabric does not use; routers copy them.
             "remote_host": self.settings.advertise_host,
             "remote_port": 0,
-            "tp_size": self.tp_size,
+            "tp_size": self.info.tp_size,
+            "pp_size": self.info.pp_size,
             "remote_num_tokens": request.num_computed_tokens,
             "kvfabric": {
+                "v": VERSION,
                 "workers": workers,
+                "layouts": layouts,
+                "mailbox": self.mailbox.segment.wire(),
+                "slots": self.mailbox.slots,
                 "slot": slot,
                 "nonce": f"{nonce:016x}",
-                "layout": self._layout(),
-                "lease_s": self.settings.lease_s,
-                # Wall clock: the decode side, another machine, stops trusting the blocks then.
-                "expires_at": time.time() + self.settings.lease_s,
+                "lease_s": lease_s,
+                # Wall clock: the decode, on another machine, stops starting pulls then.
+                "expires_at": time.time() + lease_s,
+                "tokens": request.num_computed_tokens,
             },
         }
+
+    def _check_holds(self, finished: set[str], now: float) -> None:
+        """Acknowledged, renewed and expired holds; a hold ends (its state word cleared) at
+        once, and its blocks are released once vLLM has told the workers the request
+        finished."""
+        cap = self.settings.max_hold_s
+        for req_id, hold in self.holds.items():
+            if hold.reported:
+                continue
+            if req_id in finished:
+                hold.announced = True
+            if not hold.released:
+                if self.mailbox.acked(hold.slot, hold.nonce):
+                    self.stats.count("acked")
+                    self._end(hold)
+                else:
+                    n = self.mailbox.renewal(hold.slot, hold.nonce)
+                    if n > hold.renewals:
+                        hold.renewals = n
+                        hold.expiry = min(now + self.settings.lease_s, hold.started + cap)
+                    if now >= hold.expiry:
+                        self.stats.count("lease_expired")
+                        log.info("kvfabric: lease of %s ran out; its blocks are freed", req_id)
+                        self._end(hold)
+            if hold.released and hold.announced:
+                self.releases.add(req_id)
+
+    def _end(self, hold: _Hold) -> None:
+        self.mailbox.release(hold.slot)
+        hold.released = True
+
+    # -- every step ------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVFabricMetadata:
+        now = time.monotonic()
+        finished = set(getattr(scheduler_output, "finished_req_ids", None) or ())
+        self._check_holds(finished, now)
+        self._renew(now)
+        meta = KVFabricMetadata(loads=self.loads, releases=self.releases)
+        for req_id in self.releases:
+            # Told once: vLLM frees the blocks when every worker has reported them; the slot
+            # comes back then (update_connector_output).
+            self.holds[req_id].reported = True
+        self.loads, self.releases = {}, set()
+        return meta
+
+    def get_stats(self) -> KVFabricStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, KVFabricStats()
+        return out
+
+    def shutdown(self) -> None:
+        self.mailbox.close()

@@ -17,6 +17,7 @@ class Settings:
     call_timeout_s: float = 30.0
     check_interval_s: float = 1.0
     max_held_requests: int = 1024
+    max_hold_s: float = 600.0
     segment_prefix: str | None = None
     advertise_host: str = ""
 
@@ -40,6 +41,7 @@ class Settings:
             call_timeout_s=num("call_timeout_s", 30.0),
             check_interval_s=num("check_interval_s", 1.0),
             max_held_requests=int(num("max_held_requests", 1024)),
+            max_hold_s=num("max_hold_s", 600.0),
             segment_prefix=extra.get("segment_prefix"),
             advertise_host=str(extra.get("advertise_host") or socket.gethostname()),
         )

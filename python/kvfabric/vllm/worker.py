@@ -1,29 +1,36 @@
-"""The worker side of the connector: publishes the KV cache as a segment, pulls the blocks of
-decode requests in the background, and holds prefill blocks until the decode side acknowledges
-the pull (a nonce written into this worker's mailbox segment) or the lease runs out.
+"""The worker side of the connector: publishes the worker's KV cache as a segment, pulls the KV
+of decode requests in the background, and reports prefill holds the scheduler released.
 
-Pulls run on one asyncio loop in a thread of their own; the model's forward never waits on them.
-A pull that fails (peer gone, key refused, timeout) reports its blocks through
-``get_block_ids_with_load_errors``, so vLLM recomputes them (``kv_load_failure_policy:
-recompute``).
+A pull reads every block table of the plan (plan.py) from the prefill workers that hold the
+layers and heads, all at once, then reads the hold's state word from the prefill's mailbox: a
+pull is used only if the hold was still alive after it ended (the prefill clears the word
+before it frees the blocks). It is reported done only once nothing of it is in flight, so vLLM
+never frees or reuses blocks a transfer still writes. A pull that fails (peer gone, key
+refused, timeout, hold ended) is reported failed and vLLM recomputes the request.
+
+Pulls run on one asyncio loop in a thread of their own; the model's forward never waits on
+them. Nothing here imports vLLM (its GPU test runs where vLLM is not installed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 import kvfabric
-from kvfabric.errors import KvfabricError
 
-from .layout import tensor_layout
-from .metadata import Hold, KVFabricMetadata, Load, WorkerSegments
+from .layout import LayerSpec, WorkerLayout, worker_layout
+from .mailbox import state_offset
+from .metadata import KVFabricMetadata, Load, WorkerSegments
+from .params import Handover
+from .plan import Incompatible, MissingBlocks, Plan, block_pairs, make_plan
+from .registration import WORD, Loop, Registration
 from .stats import KVFabricStats
 
 log = logging.getLogger("vllm.kvfabric")
@@ -34,8 +41,6 @@ try:
     _tracer = _otel.get_tracer("kvfabric.vllm")
 except ImportError:  # traces are optional
     _tracer = None
-
-_WORD = 8
 
 
 class _Span:
@@ -59,56 +64,56 @@ class _Span:
             self.cm.__exit__(*exc)
 
 
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the worker side needs of vLLM's config, as plain values (connector.py fills it)."""
+
+    prefix: str
+    pp: int
+    tp_rank: int
+    tp_size: int
+    num_blocks: int
+    block_size: int
+    layers: dict[str, LayerSpec]
+
+
+class LoadFailed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
 class Worker:
-    def __init__(self, vllm_config: Any, settings: Any, num_blocks: int, rank: int) -> None:
+    def __init__(self, info: WorkerInfo, settings: Any) -> None:
+        self.info = info
         self.settings = settings
-        self.rank = rank
-        self.num_blocks = num_blocks
-        base = settings.segment_prefix or vllm_config.kv_transfer_config.engine_id
-        self.kv_name = f"{base}.tp{rank}"
-        self.acks_name = f"{self.kv_name}.acks"
+        self.kv_name = f"{info.prefix}.pp{info.pp}.tp{info.tp_rank}"
+        import secrets
+
         self.kv_key = secrets.randbits(63) | 1
-        self.acks_key = secrets.randbits(63) | 1
         self.client = kvfabric.Client(settings.socket_dir, timeout=settings.call_timeout_s)
+        # Two probe words for the registration keeper, then one word per pull in flight for
+        # the hold check.
+        self.scratch = kvfabric.host_array((2 + settings.max_held_requests) * WORD)
+        self.free_words = list(range(settings.max_held_requests - 1, -1, -1))
         self.regions: list[Any] = []
-        self.planes: list[tuple[int, int, int, int]] = []
-        self.kv: Any = None
-        self.acks: Any = None
-        # Mailbox: the first half is written by decode workers (acknowledgements for our holds);
-        # the second half is where our own acknowledgements are staged before we send them.
-        # Two scratch words at the end: the keeper's probe copies one onto the other.
-        self.mailbox = kvfabric.host_array((2 * settings.max_held_requests + 2) * _WORD)
-        self.inbox = self.mailbox[: settings.max_held_requests * _WORD].view(np.uint64)
-        self.outbox = self.mailbox[
-            settings.max_held_requests * _WORD : 2 * settings.max_held_requests * _WORD
-        ].view(np.uint64)
-        self.next_out = 0
+        self.layout: WorkerLayout | None = None
+        self.registration: Registration | None = None
+        self.plans: dict[str, Plan | Incompatible] = {}
         self.lock = threading.Lock()
-        self.holds: dict[str, tuple[Hold, float]] = {}
-        self.finished_seen: set[str] = set()
-        self.done_loads: set[str] = set()
-        self.failed_blocks: set[int] = set()
-        self.pass_errors: set[int] = set()
+        self.sending: set[str] = set()
+        self.done: set[str] = set()
+        self.failed: set[str] = set()
         self.stats = KVFabricStats()
-        self.pending: set[Any] = set()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="kvfabric-loads", daemon=True
-        )
-        self.thread.start()
-        self.stop = threading.Event()
-        self.keeper = threading.Thread(
-            target=self._keep_registered, name="kvfabric-keeper", daemon=True
-        )
+        self.loop = Loop("kvfabric-loads")
 
     # -- registration ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """One region per storage the layers live in (vLLM may put several layers in one
-        allocation); each layer's planes are offsets into its storage's region."""
-        layers = list(kv_caches.values())
+        """The KV cache's regions and layout (layout.worker_layout), then the scratch region,
+        registered as one segment."""
         by_storage: dict[int, list[Any]] = {}
-        for t in layers:
+        for t in kv_caches.values():
             by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
         for group in by_storage.values():
             t = group[0]
@@ -119,206 +124,162 @@ class Worker:
                 # vLLM allocated the CPU cache in ordinary memory; the agent can only map
                 # kvfabric's (a memfd), so the storage moves there, in place.
                 kvfabric.move_to_host_buffer(*group)
-        index: dict[int, int] = {}
-        planes: list[tuple[int, int, int, int]] = []
-        for i, t in enumerate(layers):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in index:
-                index[storage.data_ptr()] = len(self.regions)
-                self.regions.append(kvfabric.storage_tensor(t))
-            layout = tensor_layout(f"kv_caches[{i}]", t, self.num_blocks)
-            planes += layout.block_table(
-                index[storage.data_ptr()], t.data_ptr() - storage.data_ptr()
-            )
-        self.planes = planes
-        self._register()
-        self.keeper.start()
-
-    def _register(self) -> None:
-        """Registers whichever of the two segments this agent lacks; ALREADY_EXISTS while the
-        registry still holds a previous agent's entry for it (until that agent's lease ends)."""
-        if self.kv is None:
-            self.kv = self.client.register(self.kv_name, self.regions, key=self.kv_key)
-        if self.acks is None:
-            self.acks = self.client.register(self.acks_name, [self.mailbox], key=self.acks_key)
-        log.info(
-            "kvfabric: registered %s (%d regions, %d planes) and %s",
-            self.kv_name,
-            len(self.regions),
-            len(self.planes),
-            self.acks_name,
+        info = self.info
+        self.regions, self.layout = worker_layout(
+            kv_caches,
+            info.layers,
+            info.num_blocks,
+            (info.pp, info.tp_rank, info.tp_size, info.block_size),
         )
-
-    def _registered(self) -> bool:
-        """Whether the agent still has our segments: an 8-byte copy within the mailbox, which
-        only the agent that registered it can do (a registry entry left by a restarted agent
-        of the same name does not count). UNAVAILABLE: the agent is down, nothing to do yet."""
-        scratch = 2 * len(self.inbox) * _WORD
-        try:
-            self.client.read(
-                self.acks,
-                self.acks_name,
-                self.acks_key,
-                [0],
-                [scratch],
-                [0],
-                [scratch + _WORD],
-                [_WORD],
-                timeout=self.settings.ack_timeout_s,
-            )
-            return True
-        except KvfabricError as e:
-            return getattr(e, "code", "") in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
-
-    def _keep_registered(self) -> None:
-        """An agent restarted forgets our segments: register them again (same names, same
-        keys, so params already handed out stay valid)."""
-        while not self.stop.wait(self.settings.check_interval_s):
-            if self._registered():
-                continue
-            self.kv = self.acks = None
-            while not self.stop.is_set():
-                try:
-                    self._register()
-                    break
-                except KvfabricError as e:
-                    log.info("kvfabric: re-registering after an agent restart: %s", e)
-                    self.stop.wait(self.settings.check_interval_s)
+        self.registration = Registration(
+            self.client,
+            self.kv_name,
+            [*self.regions, self.scratch],
+            self.kv_key,
+            (len(self.regions), 0),
+            self.settings.check_interval_s,
+            self.settings.call_timeout_s,
+        )
 
     def handshake(self) -> WorkerSegments:
-        return WorkerSegments(
-            kv=self.kv_name,
-            kv_key=self.kv_key,
-            acks=self.acks_name,
-            acks_key=self.acks_key,
-            layout=tuple(self.planes),
-        )
+        assert self.layout is not None
+        return WorkerSegments(kv=self.kv_name, kv_key=self.kv_key, layout=self.layout.wire())
 
     # -- per step ---------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVFabricMetadata) -> None:
-        now = time.monotonic()
-        with self.lock:
-            for req_id, hold in meta.holds.items():
-                self.holds[req_id] = (hold, now + hold.lease_s)
+        if meta.releases:
+            with self.lock:
+                self.sending |= meta.releases
         for req_id, load in meta.loads.items():
-            fut = asyncio.run_coroutine_threadsafe(self._load(req_id, load), self.loop)
-            self.pending.add(fut)
-            fut.add_done_callback(self.pending.discard)
+            self.loop.run(self._load(req_id, load))
+
+    def _plan(self, h: Handover) -> Plan:
+        got = self.plans.get(h.layout_id)
+        if got is None:
+            assert self.layout is not None
+            try:
+                got = make_plan(self.layout, list(h.layouts))
+            except Incompatible as e:
+                got = e
+            if len(self.plans) >= 64:
+                self.plans.pop(next(iter(self.plans)))
+            self.plans[h.layout_id] = got
+        if isinstance(got, Incompatible):
+            raise LoadFailed(got.reason.value, str(got))
+        return got
 
     async def _load(self, req_id: str, load: Load) -> None:
-        peer = load.remote[self.rank]
-        ok, nbytes = True, 0
+        h = load.handover
         t0 = time.perf_counter()
+        nbytes, reason = 0, ""
         with _Span(
             "kvfabric.connector.load",
-            **{
-                "kvfabric.request": req_id,
-                "kvfabric.src.segment": peer["kv"],
-                "kvfabric.blocks": len(load.local_block_ids),
-            },
+            **{"kvfabric.request": req_id, "kvfabric.src.engine": h.engine},
         ) as span:
-            if load.local_block_ids:
-                planes = self.planes
-                try:
-                    done = await self.client.read_blocks_async(
-                        self.kv,
-                        peer["kv"],
-                        int(peer["kv_key"], 16),
-                        planes,
-                        planes,
-                        np.asarray(load.local_block_ids, dtype=np.uint64),
-                        np.asarray(load.remote_block_ids, dtype=np.uint64),
-                        timeout=self.settings.load_timeout_s,
-                    )
-                    nbytes = done.bytes
-                    span.set("kvfabric.bytes", nbytes)
-                    span.set("kvfabric.transport", done.transport)
-                except Exception as e:  # noqa: BLE001 - any failure: vLLM recomputes
-                    ok = False
-                    span.set("error", str(e))
-                    log.warning(
-                        "kvfabric: pulling %s from %s failed, vLLM recomputes: %s",
-                        req_id,
-                        peer["kv"],
-                        e,
-                    )
-            ms = (time.perf_counter() - t0) * 1e3
-            loaded_at = time.time()
-            # Done (and its failed blocks known) before the acknowledgement goes out, so vLLM
-            # schedules the request without waiting on it.
-            with self.lock:
-                if load.local_block_ids:
-                    self.stats.record_load(nbytes, ms, ok)
-                if not ok:
-                    self.failed_blocks.update(load.local_block_ids)
-                self.done_loads.add(req_id)
-            if ok and load.local_block_ids:
-                log.info(
-                    "kvfabric: pulled %s: %d blocks, %d B from %s in %.2f ms (done at %.6f)",
+            try:
+                nbytes = await self._pull(load)
+                await self._check_hold(h)
+                span.set("kvfabric.bytes", nbytes)
+            except LoadFailed as e:
+                reason = e.reason
+                span.set("error", str(e))
+                log.warning(
+                    "kvfabric: pulling %s from %s failed (%s), vLLM recomputes: %s",
                     req_id,
-                    len(load.local_block_ids),
-                    nbytes,
-                    peer["kv"],
-                    ms,
-                    loaded_at,
+                    h.engine,
+                    e.reason,
+                    e,
                 )
-            await self._acknowledge(peer, load)
+            ms = (time.perf_counter() - t0) * 1e3
+            with self.lock:
+                self.stats.record_load(nbytes, ms, reason)
+                self.done.add(req_id)
+                if reason:
+                    self.failed.add(req_id)
+            if not reason:
+                log.info(
+                    "kvfabric: pulled %s: %d B from %s in %.2f ms (done at %.6f)",
+                    req_id,
+                    nbytes,
+                    h.engine,
+                    ms,
+                    time.time(),
+                )
 
-    async def _acknowledge(self, peer: dict, load: Load) -> None:
-        """Tells the prefill worker it may free the request's blocks: our nonce into its slot."""
+    async def _pull(self, load: Load) -> int:
+        """Every table of the plan at once; returns once none is in flight."""
+        h = load.handover
+        plan = self._plan(h)
+        if len(load.groups) != len(h.block_ids):
+            raise LoadFailed("invalid_params", "no blocks to load into")
+        calls = []
+        for table in plan.tables:
+            try:
+                local, remote = block_pairs(plan, table, load.groups[table.group])
+            except MissingBlocks as e:
+                raise LoadFailed("invalid_params", str(e)) from None
+            if len(local) == 0:
+                continue
+            peer = h.workers[table.peer]
+            assert self.registration is not None and self.registration.segment is not None
+            calls.append(
+                self.client.read_blocks_async(
+                    self.registration.segment,
+                    peer.name,
+                    peer.key,
+                    table.local_planes,
+                    table.remote_planes,
+                    local,
+                    remote,
+                    timeout=self.settings.load_timeout_s,
+                )
+            )
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [e for e in done if isinstance(e, BaseException)]
+        if errors:
+            code = getattr(errors[0], "code", "") or type(errors[0]).__name__
+            raise LoadFailed(str(code).lower(), str(errors[0]))
+        return sum(t.bytes for t in done)
+
+    async def _check_hold(self, h: Handover) -> None:
+        """Reads the hold's state word from the prefill's mailbox: the pull counts only if the
+        hold outlived it."""
         with self.lock:
-            j = self.next_out
-            self.next_out = (j + 1) % len(self.outbox)
-        self.outbox[j] = load.nonce
-        base = len(self.inbox) * _WORD
+            if not self.free_words:
+                raise LoadFailed("busy", "too many pulls in flight to check their holds")
+            j = self.free_words.pop()
         try:
-            await self.client.write_async(
-                self.acks,
-                peer["acks"],
-                int(peer["acks_key"], 16),
-                [0],
-                [base + j * _WORD],
-                [0],
-                [load.slot * _WORD],
-                [_WORD],
-                timeout=self.settings.ack_timeout_s,
-            )
-        except Exception as e:  # noqa: BLE001 - the lease frees the blocks anyway
-            log.info(
-                "kvfabric: acknowledging to %s failed (its lease frees the blocks): %s",
-                peer["acks"],
-                e,
-            )
+            at = (2 + j) * WORD
+            assert self.registration is not None and self.registration.segment is not None
+            try:
+                await self.client.read_async(
+                    self.registration.segment,
+                    h.mailbox.name,
+                    h.mailbox.key,
+                    [len(self.regions)],
+                    [at],
+                    [0],
+                    [state_offset(h.slots, h.slot)],
+                    [WORD],
+                    timeout=self.settings.ack_timeout_s,
+                )
+            except Exception as e:  # noqa: BLE001 - any failure: the pull is not trusted
+                code = getattr(e, "code", "") or type(e).__name__
+                raise LoadFailed(str(code).lower(), f"checking the hold: {e}") from None
+            got = int(self.scratch[at : at + WORD].view(np.uint64)[0])
+            if got != h.nonce:
+                raise LoadFailed("hold_ended", "the prefill's hold ended before the pull did")
+        finally:
+            with self.lock:
+                self.free_words.append(j)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        now = time.monotonic()
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
         with self.lock:
-            self.finished_seen |= finished_req_ids
-            sending = set()
-            for req_id, (hold, expiry) in list(self.holds.items()):
-                if req_id not in self.finished_seen:
-                    continue
-                acked = int(self.inbox[hold.slot]) == hold.nonce
-                if acked or now >= expiry:
-                    if acked:
-                        self.stats.data["acked"] += 1
-                    else:
-                        self.stats.data["lease_expired"] += 1
-                        log.info("kvfabric: lease of %s ran out; its blocks are freed", req_id)
-                    self.inbox[hold.slot] = 0
-                    del self.holds[req_id]
-                    self.finished_seen.discard(req_id)
-                    sending.add(req_id)
-            recving, self.done_loads = self.done_loads, set()
-            self.pass_errors |= self.failed_blocks
-            self.failed_blocks = set()
-        return sending or None, recving or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        with self.lock:
-            errors, self.pass_errors = self.pass_errors, set()
-        return errors
+            out = (self.sending, self.done, self.failed)
+            self.sending, self.done, self.failed = set(), set(), set()
+        return out
 
     def get_stats(self) -> KVFabricStats | None:
         with self.lock:
@@ -328,13 +289,6 @@ class Worker:
         return out
 
     def shutdown(self) -> None:
-        self.stop.set()
-        for fut in list(self.pending):
-            fut.cancel()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        for seg in (self.kv, self.acks):
-            if seg is not None:
-                try:
-                    self.client.deregister(seg)
-                except KvfabricError as e:
-                    log.info("kvfabric: deregistering %s: %s", seg.name, e)
+        self.loop.stop(self.settings.load_timeout_s + 1)
+        if self.registration is not None:
+            self.registration.close()

@@ -1,0 +1,130 @@
+"""A segment this process keeps registered with its node's agent, and the event loop its
+transfers run on.
+
+An agent that restarts forgets the segments registered with it; :class:`Registration` checks
+every ``check_interval_s`` that its segment is still served (an 8-byte copy within the segment,
+which only the agent holding the registration can do: a registry entry a previous agent left
+does not count) and registers it again, with the same name and key, so params already handed
+out stay valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import kvfabric
+from kvfabric.errors import KvfabricError
+
+log = logging.getLogger("vllm.kvfabric")
+
+WORD = 8
+
+
+class Loop:
+    """An asyncio loop on a thread of its own: the engine's threads never wait on a transfer."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+        self.pending: set[Future[Any]] = set()
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self.pending.add(fut)
+        fut.add_done_callback(self.pending.discard)
+        return fut
+
+    def stop(self, timeout: float) -> None:
+        """Cancels what is still running, stops the loop and joins its thread."""
+        for fut in list(self.pending):
+            fut.cancel()
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class Registration:
+    """``memory`` registered as segment ``name`` under ``key``; ``probe`` is ``(region,
+    offset)`` of two scratch words in it."""
+
+    def __init__(
+        self,
+        client: kvfabric.Client,
+        name: str,
+        memory: Sequence[Any],
+        key: int,
+        probe: tuple[int, int],
+        check_interval_s: float,
+        call_timeout_s: float,
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.memory = list(memory)
+        self.key = key
+        self.probe = probe
+        self.check_interval_s = check_interval_s
+        self.call_timeout_s = call_timeout_s
+        self.segment: kvfabric.Segment | None = None
+        self.stopping = threading.Event()
+        self.keeper = threading.Thread(target=self._keep, name=f"kvfabric-keep-{name}", daemon=True)
+        self._register()
+        self.keeper.start()
+
+    def _register(self) -> None:
+        self.segment = self.client.register(self.name, self.memory, key=self.key)
+        log.info("kvfabric: registered %s (%d regions)", self.name, len(self.memory))
+
+    def registered(self) -> bool:
+        """Whether the agent still serves the segment (UNAVAILABLE, DEADLINE_EXCEEDED: the
+        agent is down or busy, nothing to do yet)."""
+        region, offset = self.probe
+        try:
+            self.client.read(
+                self.segment,
+                self.name,
+                self.key,
+                [region],
+                [offset + WORD],
+                [region],
+                [offset],
+                [WORD],
+                timeout=self.call_timeout_s,
+            )
+            return True
+        except KvfabricError as e:
+            return getattr(e, "code", "") in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+    def _keep(self) -> None:
+        while not self.stopping.wait(self.check_interval_s):
+            if self.registered():
+                continue
+            while not self.stopping.is_set():
+                try:
+                    self._register()
+                    break
+                except KvfabricError as e:
+                    # ALREADY_EXISTS while the registry holds the previous agent's entry.
+                    log.info(
+                        "kvfabric: registering %s again after an agent restart: %s", self.name, e
+                    )
+                    self.stopping.wait(self.check_interval_s)
+
+    def close(self) -> None:
+        """Stops the keeper (joined) and deregisters the segment."""
+        self.stopping.set()
+        if self.keeper.is_alive():
+            self.keeper.join(self.check_interval_s + self.call_timeout_s)
+        if self.segment is not None:
+            try:
+                self.client.deregister(self.segment)
+            except KvfabricError as e:
+                log.info("kvfabric: deregistering %s: %s", self.name, e)
+            self.segment = None
