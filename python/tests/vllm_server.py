@@ -4,12 +4,14 @@ the P/D proxy protocol NixlConnector's routers speak, as the tests' router."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,9 +34,14 @@ class VllmServer:
         prefix_caching: bool = True,
         connector: tuple[str, str, dict] | None = None,
         pythonpath: str | None = None,
+        tp: int = 1,
+        block_size: int = BLOCK_SIZE,
+        kv_bytes: int = 64 << 20,
+        args: list[str] | None = None,
     ) -> None:
         """``kv_role`` set: with KVFabricConnector on the agent at ``socket_dir``, or with
-        ``connector`` (class name, module, extra config) instead."""
+        ``connector`` (class name, module, extra config) instead. ``tp``: tensor-parallel
+        workers; ``kv_bytes``: the KV cache's size (``--kv-cache-memory-bytes``)."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -51,13 +58,13 @@ class VllmServer:
             "--dtype",
             "float32",
             "--block-size",
-            str(BLOCK_SIZE),
+            str(block_size),
             "--max-model-len",
             "8192",
             "--max-num-batched-tokens",
             "8192",
             "--kv-cache-memory-bytes",
-            str(64 << 20),
+            str(kv_bytes),
             "--enforce-eager",
             "--seed",
             "0",
@@ -66,6 +73,9 @@ class VllmServer:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--tensor-parallel-size",
+            str(tp),
+            *(args or []),
         ]
         if not prefix_caching:
             args.append("--no-enable-prefix-caching")
@@ -116,6 +126,14 @@ class VllmServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def alive(self) -> bool:
+        """Whether the server still answers (its engine not dead)."""
+        try:
+            urllib.request.urlopen(self.url + "/health", timeout=10).read()
+            return True
+        except (urllib.error.URLError, OSError):
+            return False
+
     def complete(
         self,
         prompt: list[int],
@@ -123,16 +141,7 @@ class VllmServer:
         kv_transfer_params: dict | None = None,
         timeout: float = 120,
     ) -> dict:
-        body = {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        if kv_transfer_params is not None:
-            body["kv_transfer_params"] = kv_transfer_params
+        body = self._body(prompt, max_tokens, kv_transfer_params)
         req = urllib.request.Request(
             self.url + "/v1/completions",
             json.dumps(body).encode(),
@@ -141,13 +150,56 @@ class VllmServer:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
-    def metric(self, name: str) -> float:
+    @staticmethod
+    def _body(
+        prompt: list[int], max_tokens: int, params: dict | None, stream: bool = False
+    ) -> dict:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": stream,
+        }
+        if params is not None:
+            body["kv_transfer_params"] = params
+        return body
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the series of ``name`` whose labels include ``labels`` (0 when none: a
+        labelled counter has no series until it first counts)."""
         text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        total = 0.0
         for line in text.splitlines():
             m = re.match(rf"^{re.escape(name)}(\{{.*\}})? (\S+)$", line)
-            if m:
-                return float(m.group(2))
-        raise KeyError(name)
+            if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
+
+    def abandon(self, prompt: list[int], max_tokens: int, params: dict | None, after_s: float):
+        """Sends a completion and hangs up ``after_s`` later (a client that disconnects):
+        returns the thread doing it."""
+
+        def run() -> None:
+            body = json.dumps(self._body(prompt, max_tokens, params, stream=True)).encode()
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=after_s + 30)
+            try:
+                conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+                deadline = time.monotonic() + after_s
+                resp = conn.getresponse() if after_s > 0 else None
+                while resp is not None and time.monotonic() < deadline:
+                    if not resp.read1(64):
+                        break
+            except (OSError, http.client.HTTPException):
+                pass
+            finally:
+                conn.close()
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
 
     def kill(self) -> None:
         """SIGKILL to the server's whole process group (API server, engine core, worker)."""
@@ -162,6 +214,13 @@ class VllmServer:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def start(*servers: VllmServer, timeout: float = 600) -> None:
+    """Waits until every server (started together: they load at the same time) answers."""
+    deadline = time.monotonic() + timeout
+    for s in servers:
+        s.wait_ready(max(1.0, deadline - time.monotonic()))
 
 
 def tokens(response: dict) -> list[int]:

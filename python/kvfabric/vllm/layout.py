@@ -347,4 +347,3 @@ def worker_layout(
         layers.append(tensor_layout(name, t, num_blocks, spec, region, offset))
     pp, tp_rank, tp_size, block_size = place
     return regions, WorkerLayout(pp, tp_rank, tp_size, block_size, tuple(layers))
-
