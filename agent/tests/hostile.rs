@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvfabric_agent::AgentConfig;
+use kvfabric_agent::fd_socket::FIRST_REQUEST_DEADLINE as FD_FIRST_REQUEST_DEADLINE;
 use kvfabric_agent::incoming::PEER_AUTH_DEADLINE;
 use kvfabric_agent::peer_token::PeerToken;
 use kvfabric_agent::registry::memory::MemoryStore;
@@ -489,4 +490,138 @@ async fn a_peer_connection_that_never_presents_the_token_is_closed_at_the_deadli
     assert_eq!(dials.load(Ordering::SeqCst), 2);
     let deadline = r#"kvfabric_agent_connections_shed_total{port="peer",reason="deadline"}"#;
     assert!(sample(&a, deadline).await >= 3.0);
+}
+
+/// What a child process of this test binary does (set in its environment): `flood` holds
+/// connections to the fd socket at `KVFABRIC_HOSTILE_FD` and dials again any the agent closes;
+/// `handover` hands one memfd over and prints the token.
+const ROLE: &str = "KVFABRIC_HOSTILE_ROLE";
+const FD_PATH: &str = "KVFABRIC_HOSTILE_FD";
+
+/// Runs only as a child (see [`ROLE`]); in the suite it returns at once.
+#[test]
+fn fd_socket_child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let path = std::env::var(FD_PATH).unwrap();
+    match role.as_str() {
+        "flood" => {
+            let mut held: Vec<UnixStream> = (0..60)
+                .filter_map(|_| UnixStream::connect(&path).ok())
+                .collect();
+            println!("connected {}", held.len());
+            // Until killed: whatever the agent closed is dialled again.
+            loop {
+                for s in &mut held {
+                    s.set_nonblocking(true).unwrap();
+                    let mut b = [0u8; 1];
+                    let closed = match (&*s).read(&mut b) {
+                        Ok(_) => true,
+                        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+                    };
+                    if closed && let Ok(fresh) = UnixStream::connect(&path) {
+                        *s = fresh;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        "handover" => {
+            use rustix::fs::{MemfdFlags, memfd_create};
+            let fd =
+                memfd_create("handover", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+            rustix::fs::ftruncate(&fd, 4096).unwrap();
+            let s = UnixStream::connect(&path).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            kvfabric_engine::transport::fdpass::send_fd(
+                &s,
+                kvfabric_proto::fd_wire::MAGIC,
+                fd.as_fd(),
+            )
+            .unwrap();
+            let token = kvfabric_proto::fd_wire::read_reply(&mut &s)
+                .unwrap()
+                .unwrap();
+            println!("token {token}");
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// This test binary again, running [`fd_socket_child`] as `role`.
+fn child(role: &str, fd: &std::path::Path) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args([
+        "--exact",
+        "fd_socket_child",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(ROLE, role)
+    .env(FD_PATH, fd)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    c
+}
+
+/// What `child` printed from `prefix` to the end of that line (the harness may have printed
+/// the test's name before it on the same line).
+fn line_of(child: &mut std::process::Child, prefix: &str) -> Option<String> {
+    use std::io::BufRead;
+    std::io::BufReader::new(child.stdout.as_mut()?)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| l.find(prefix).map(|at| l[at..].to_string()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_fd_socket_flood_from_many_processes_does_not_block_another_workers_handover() {
+    let a = agent("fdflood", |_| {}).await;
+    let path = a.socket_dir().join(socket::FD);
+    // 600 connections that never send anything, from ten processes that dial again whatever
+    // the agent closes.
+    let mut flooders: Vec<KillOnDrop> = (0..10)
+        .map(|_| KillOnDrop(child("flood", &path).spawn().unwrap()))
+        .collect();
+    for f in &mut flooders {
+        let line = line_of(&mut f.0, "connected ").expect("a flooder connected");
+        assert_eq!(line, "connected 60");
+    }
+    // Another worker hands a memfd over.
+    let start = Instant::now();
+    let out = tokio::task::spawn_blocking({
+        let path = path.clone();
+        move || child("handover", &path).output().unwrap()
+    })
+    .await
+    .unwrap();
+    let took = start.elapsed();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("token "),
+        "the hand-over failed under the flood after {took:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let shed = r#"kvfabric_agent_connections_shed_total{port="fd",reason="room"}"#;
+    assert!(sample(&a, shed).await > 0.0, "{shed}");
+    drop(flooders);
+
+    // A connection that sends nothing is closed at the first-request deadline.
+    let idle = tokio::task::spawn_blocking(move || {
+        let idle = UnixStream::connect(&path).unwrap();
+        idle.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let start = Instant::now();
+        let n = (&idle).read(&mut [0u8; 1]).unwrap_or(0);
+        (n, start.elapsed())
+    })
+    .await
+    .unwrap();
+    assert_eq!(idle.0, 0);
+    assert!(
+        idle.1 < FD_FIRST_REQUEST_DEADLINE + Duration::from_secs(1),
+        "an idle connection stayed {:?}",
+        idle.1
+    );
+    still_serves(&a, "after-fd-flood").await;
 }
