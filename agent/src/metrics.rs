@@ -32,6 +32,23 @@ pub struct ServedLabels {
     pub op: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ShedLabels {
+    /// `peer` (the peer API), `local` (the local API), `fd` (the fd socket).
+    pub port: String,
+    /// `room`: an unproven connection shed for a newcomer; `deadline`: an unproven connection
+    /// closed at its deadline; `full`: a newcomer refused, every slot held by a proven one.
+    pub reason: String,
+}
+
+/// One port's [`Metrics::connections_shed`] counters, looked up once.
+#[derive(Debug, Clone)]
+pub struct Shedding {
+    pub room: Counter,
+    pub deadline: Counter,
+    pub full: Counter,
+}
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
@@ -56,6 +73,8 @@ pub struct Metrics {
     pub spans_dropped: Counter,
     /// Failed accepts on the gRPC and fd sockets (at the fd limit, they back off).
     pub accept_errors: Counter,
+    /// Connections closed or refused to keep a port open to those who prove themselves.
+    pub connections_shed: Family<ShedLabels, Counter>,
 }
 
 fn histogram() -> Histogram {
@@ -82,12 +101,20 @@ impl Metrics {
             spans_exported: spans.exported.clone(),
             spans_dropped: spans.dropped.clone(),
             accept_errors: Counter::default(),
+            connections_shed: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
             "accept_errors",
             "Failed accepts on the agent's sockets (they back off at the fd limit)",
             m.accept_errors.clone(),
+        );
+        registry.register(
+            "connections_shed",
+            "Connections closed or refused to keep a port open, by port (peer, local, fd) and \
+             reason (room: an unproven one shed for a newcomer; deadline: unproven past its \
+             deadline; full: a newcomer refused, every slot proven)",
+            m.connections_shed.clone(),
         );
         registry.register("bytes", "Bytes moved for local workers", m.bytes.clone());
         registry.register(
@@ -153,6 +180,23 @@ impl Metrics {
         self.errors
             .get_or_create(&ErrorLabels { kind: kind.into() })
             .inc();
+    }
+
+    /// The shedding counters of `port`.
+    pub fn shedding(&self, port: &str) -> Shedding {
+        let counter = |reason: &str| {
+            self.connections_shed
+                .get_or_create(&ShedLabels {
+                    port: port.into(),
+                    reason: reason.into(),
+                })
+                .clone()
+        };
+        Shedding {
+            room: counter("room"),
+            deadline: counter("deadline"),
+            full: counter("full"),
+        }
     }
 
     pub fn encode(&self) -> String {

@@ -22,9 +22,10 @@ use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 use crate::error::{Error, Result};
 
-/// A TLS handshake on the peer port must finish within this (a stranger holding a connection
-/// open without one is dropped; the connection cap bounds how many wait).
-pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A TLS handshake on the peer port must finish within this. The handshake and the first
+/// authenticated request together get [`crate::incoming::PEER_AUTH_DEADLINE`] (the accept
+/// loop cuts the connection then); this is tonic's own bound on the handshake, no longer.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = crate::incoming::PEER_AUTH_DEADLINE;
 
 /// The file names of a mounted `kubernetes.io/tls` Secret (with the CA, as cert-manager writes it).
 pub const CERT_FILE: &str = "tls.crt";

@@ -9,6 +9,8 @@ use subtle::ConstantTimeEq;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::{Request, Status};
 
+use crate::incoming;
+
 /// Shortest token accepted: 16 characters of printable ASCII.
 pub const MIN_LEN: usize = 16;
 const HEADER: &str = "authorization";
@@ -54,14 +56,22 @@ impl PeerToken {
     }
 
     /// A tonic interceptor admitting only calls that present `token` (all calls when None). It
-    /// runs on the request's headers, before its body is read or decoded.
+    /// runs on the request's headers, before its body is read or decoded. The connection of a
+    /// call it admits, or of any call over mTLS, is marked authenticated
+    /// ([`crate::incoming::authenticated`]): from then on the peer port never sheds it.
     pub fn interceptor(
         token: Option<PeerToken>,
     ) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
         move |request: Request<()>| {
+            // The TLS handshake checked the client's certificate against the fabric's CA: the
+            // connection is a fabric agent's even when this call's token is wrong.
+            if incoming::client_certificate(request.extensions()) {
+                incoming::authenticated(request.extensions());
+            }
             if let Some(token) = &token {
                 token.admit(request.metadata())?;
             }
+            incoming::authenticated(request.extensions());
             Ok(request)
         }
     }

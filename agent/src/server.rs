@@ -178,9 +178,7 @@ impl LastServed {
     }
 }
 
-/// Most connections each gRPC server keeps open at once.
-pub const MAX_LOCAL_CONNECTIONS: usize = 1024;
-pub const MAX_PEER_CONNECTIONS: usize = 1024;
+pub use crate::incoming::{MAX_LOCAL_CONNECTIONS, MAX_PEER_CONNECTIONS};
 /// Largest request of a local API method other than Submit (a registration of many regions).
 pub const MAX_LOCAL_REQUEST_BYTES: usize = 1 << 20;
 const SUBMIT_METHOD: &str = "/kvfabric.v1.LocalAgent/Submit";
@@ -321,7 +319,8 @@ impl Agent {
         let submit_limit = max_submit_bytes(config.max_batch_ops);
         let local_svc = LocalAgentServer::new(LocalApi { node: node.clone() })
             .max_decoding_message_size(submit_limit);
-        // The token is checked on the headers, before the body is read.
+        // The token is checked on the headers, before the body is read; a call that passes
+        // marks its connection authenticated, which the peer port's accept loop never sheds.
         let peer_svc = InterceptedService::new(
             PeerAgentServer::new(PeerApi { node: node.clone() })
                 .max_decoding_message_size(MAX_PEER_REQUEST_BYTES),
@@ -344,8 +343,8 @@ impl Agent {
                         // grpcio's `:authority` for a Unix socket is made acceptable to h2.
                         incoming::capped(
                             listeners.local,
-                            "local API",
-                            MAX_LOCAL_CONNECTIONS,
+                            incoming::LOCAL,
+                            metrics.shedding(incoming::LOCAL.port),
                             refused.clone(),
                         )
                         .map_ok(AuthorityRewrite::new),
@@ -358,7 +357,12 @@ impl Agent {
                     .add_service(health_svc)
                     .add_service(peer_svc)
                     .serve_with_incoming_shutdown(
-                        incoming::capped(listeners.peer, "peer API", MAX_PEER_CONNECTIONS, refused),
+                        incoming::capped(
+                            listeners.peer,
+                            incoming::PEER,
+                            metrics.shedding(incoming::PEER.port),
+                            refused,
+                        ),
                         stopped(api_rx.clone()),
                     ),
             ),

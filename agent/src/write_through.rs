@@ -1,5 +1,5 @@
-//! Stream wrappers that act on what a connection reads (`incoming::Capped` times the first
-//! byte, `authority::AuthorityRewrite` rewrites header blocks) pass every write straight to the
+//! Stream wrappers that act on what a connection reads (`incoming::Capped` cuts a connection
+//! that does not prove itself in time, `authority::AuthorityRewrite` rewrites header blocks) pass every write straight to the
 //! stream they wrap: one definition of that pass-through for all of them.
 
 /// `impl AsyncWrite for $wrapper<T>` by forwarding every call to its field `io`.

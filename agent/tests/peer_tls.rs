@@ -332,3 +332,55 @@ async fn the_data_port_admits_only_tls_with_a_certificate_of_the_ca() {
         "{text}"
     );
 }
+
+/// With mTLS the certificate is what authenticates a connection to the peer port's accept loop:
+/// a fabric agent's connection outlives the deadline strangers get even when its call's token
+/// is wrong (the call itself is still refused).
+#[tokio::test]
+async fn a_connection_with_a_certificate_of_the_ca_is_never_cut_as_a_strangers() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let ca = TestCa::new("fabric");
+    let (_dir, tls) = secret(&ca);
+    let store = MemoryStore::new();
+    let a = agent("node-a", &store, &tls).await;
+    let ours = ca.issue(&[TLS_SERVER_NAME]);
+    let dials = Arc::new(AtomicUsize::new(0));
+    let to = a.ready.peer;
+    let channel = Endpoint::from_shared(format!("https://{to}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
+        .tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(ca.pem()))
+                .domain_name(TLS_SERVER_NAME)
+                .identity(Identity::from_pem(&ours.cert_pem, &ours.key_pem)),
+        )
+        .unwrap()
+        .connect_with_connector(tower::service_fn({
+            let dials = dials.clone();
+            move |_: http::Uri| {
+                dials.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    tokio::net::TcpStream::connect(to)
+                        .await
+                        .map(hyper_util::rt::TokioIo::new)
+                }
+            }
+        }))
+        .await
+        .unwrap();
+    let mut peer = pb::peer_agent_client::PeerAgentClient::new(channel);
+    let no_token = || pb::HandshakeRequest {
+        fabric: "test".into(),
+        agent: "node-x".into(),
+    };
+    let status = peer.handshake(no_token()).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    tokio::time::sleep(kvfabric_agent::incoming::PEER_AUTH_DEADLINE + Duration::from_secs(1)).await;
+    let status = peer.handshake(no_token()).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    peer.handshake(hello()).await.unwrap();
+    assert_eq!(dials.load(Ordering::SeqCst), 1, "the connection was cut");
+}

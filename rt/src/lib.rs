@@ -1,7 +1,9 @@
 //! Process plumbing the agent, the engine's listeners and the operator share, so each exists once:
-//! the shutdown signal ([`shutdown`]), exponential back-off ([`backoff`]), and logging at most
-//! once per interval what a peer can provoke ([`throttle`]).
+//! the shutdown signal ([`shutdown`]), exponential back-off ([`backoff`]), logging at most once
+//! per interval what a peer can provoke ([`throttle`]), and who keeps a slot when a listener is
+//! full ([`admission`]).
 
+pub mod admission;
 pub mod backoff;
 pub mod shutdown;
 pub mod throttle;

@@ -3,7 +3,7 @@
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
 use rustix::net::{
@@ -28,6 +28,18 @@ pub fn send_fd(s: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Res
 /// Fills `buf` exactly and returns the descriptor that came with its first bytes, if any.
 /// `Ok(None)` with nothing read means the peer closed the socket (`UnexpectedEof`).
 pub fn recv_fd(s: &UnixStream, buf: &mut [u8]) -> std::io::Result<Option<OwnedFd>> {
+    let (got, fd) = recv_fd_once(s, buf)?;
+    if got == 0 && !buf.is_empty() {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    (&*s).read_exact(&mut buf[got..])?;
+    Ok(fd)
+}
+
+/// One `recvmsg` into `buf`: the bytes read (0: the peer closed) and the descriptor that came
+/// with them, if any. For a socket whose reader waits for readiness itself (a non-blocking one
+/// answers `WouldBlock`); the rest of `buf` then comes by plain reads.
+pub fn recv_fd_once(s: impl AsFd, buf: &mut [u8]) -> std::io::Result<(usize, Option<OwnedFd>)> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut cmsg = RecvAncillaryBuffer::new(&mut space);
     let got = recvmsg(
@@ -37,9 +49,6 @@ pub fn recv_fd(s: &UnixStream, buf: &mut [u8]) -> std::io::Result<Option<OwnedFd
         RecvFlags::CMSG_CLOEXEC,
     )?
     .bytes;
-    if got == 0 && !buf.is_empty() {
-        return Err(std::io::ErrorKind::UnexpectedEof.into());
-    }
     let mut fd = None;
     for msg in cmsg.drain() {
         if let RecvAncillaryMessage::ScmRights(fds) = msg {
@@ -47,6 +56,5 @@ pub fn recv_fd(s: &UnixStream, buf: &mut [u8]) -> std::io::Result<Option<OwnedFd
             fd = fd.or(fds.into_iter().next());
         }
     }
-    (&*s).read_exact(&mut buf[got..])?;
-    Ok(fd)
+    Ok((got, fd))
 }

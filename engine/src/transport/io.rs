@@ -164,7 +164,10 @@ pub(crate) fn spin_fill<S: Read + AsFd>(
 const SPIN_PURE: Duration = Duration::from_micros(20);
 
 /// The blocking stream sockets the data plane serves (tcp and Unix).
-pub(crate) trait Socket: Read + Write + Sized + Send + 'static {
+/// `Shed`: a duplicate shut down from the accept loop wakes the thread serving the original.
+pub(crate) trait Socket:
+    Read + Write + kvfabric_rt::admission::Shed + Sized + Send + 'static
+{
     fn shutdown(&self, how: Shutdown) -> io::Result<()>;
     /// Read timeout (None: block for ever).
     fn set_timeout(&self, t: Duration) -> io::Result<()>;

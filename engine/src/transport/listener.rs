@@ -3,22 +3,22 @@
 //!
 //! What a caller can make us hold is bounded: at most `max_connections` connections (threads)
 //! per listener, of which at most `max_unauthenticated` still in their handshake, the oldest of
-//! those closed when a new caller needs the room. At the fd limit (EMFILE and friends) the loop
-//! backs off instead of spinning on a listener that stays readable, and its warnings are
-//! throttled.
+//! those closed when a new caller needs the room (`kvfabric_rt::admission`, the table the
+//! agent's ports use too). At the fd limit (EMFILE and friends) the loop backs off instead of
+//! spinning on a listener that stays readable, and its warnings are throttled.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::{Shutdown, TcpStream};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use tracing::warn;
 
 use super::io::Socket;
 use crate::handshake::refuse_busy;
+use kvfabric_rt::admission::{self, Admitted, Table};
 use kvfabric_rt::{AcceptBackoff, Throttle};
 
 /// A listener whose connections are handed over as blocking sockets.
@@ -59,80 +59,11 @@ pub(crate) struct Limits {
     pub unauthenticated: usize,
 }
 
-/// One live connection, as the loop sees it.
-#[derive(Debug)]
-struct Live<S> {
-    /// A handle to shut it down with (shutdown, or eviction).
-    stream: Option<S>,
-    /// Accepted and not yet through its handshake since then.
-    pending: Option<Instant>,
-    /// Shut down to make room; its thread is on its way out.
-    evicted: bool,
-}
-
-#[derive(Debug)]
-struct Table<S> {
-    live: HashMap<u64, Live<S>>,
-}
-
-impl<S: Socket> Table<S> {
-    fn counted(&self) -> impl Iterator<Item = &Live<S>> {
-        self.live.values().filter(|l| !l.evicted)
-    }
-
-    /// Makes room for one more connection: true when there is (or was made) room.
-    fn make_room(&mut self, limits: Limits) -> bool {
-        let pending = self.counted().filter(|l| l.pending.is_some()).count();
-        let total = self.counted().count();
-        if pending < limits.unauthenticated && total < limits.connections {
-            return true;
-        }
-        // The oldest caller still in its handshake goes; an authenticated one never does.
-        let oldest = self
-            .live
-            .iter_mut()
-            .filter(|(_, l)| !l.evicted)
-            .filter_map(|(id, l)| l.pending.map(|at| (at, *id)))
-            .min();
-        let Some((_, id)) = oldest else {
-            return false;
-        };
-        let l = self.live.get_mut(&id).expect("just found");
-        l.evicted = true;
-        if let Some(s) = &l.stream {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-        true
-    }
-}
-
 /// A connection's place in its listener's table; released when dropped (the thread ends).
-#[derive(Debug)]
-pub(crate) struct Admission<S: Socket> {
-    id: u64,
-    table: Arc<Mutex<Table<S>>>,
-}
-
-impl<S: Socket> Admission<S> {
-    /// The caller proved itself: it no longer counts against the handshake limit, and is never
-    /// evicted to make room.
-    pub(crate) fn authenticated(&self) {
-        let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(l) = t.live.get_mut(&self.id) {
-            l.pending = None;
-        }
-    }
-}
-
-impl<S: Socket> Drop for Admission<S> {
-    fn drop(&mut self) {
-        self.table
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .live
-            .remove(&self.id);
-    }
-}
+/// Every caller of a data port is one source: the oldest handshake goes first, whoever it is.
+/// The handle kept to shed it with is a duplicate of its socket (None when duplicating failed:
+/// it then runs into its handshake deadline).
+pub(crate) type Admission<S> = admission::Admission<(), Option<S>>;
 
 /// Serves connections until `shutdown` resolves, then shuts every open one down so their
 /// threads end.
@@ -147,12 +78,13 @@ pub(crate) async fn serve<L, F>(
     F: Fn(L::Stream, String, Admission<L::Stream>) + Send + Sync + 'static,
 {
     let serve = Arc::new(serve);
-    let table: Arc<Mutex<Table<L::Stream>>> = Arc::new(Mutex::new(Table {
-        live: HashMap::new(),
-    }));
+    let table: Table<(), Option<L::Stream>> = Table::new(admission::Limits {
+        total: limits.connections,
+        unproven: limits.unauthenticated,
+        unproven_per_source: limits.unauthenticated,
+    });
     let log = Throttle::new(Duration::from_secs(10));
     let mut backoff = AcceptBackoff::new("engine data port");
-    let mut next = 0u64;
     tokio::pin!(shutdown);
     loop {
         let (mut stream, peer) = tokio::select! {
@@ -174,32 +106,17 @@ pub(crate) async fn serve<L, F>(
                 }
             },
         };
-        let admitted = table
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .make_room(limits);
-        if !admitted {
-            if let Some(held_back) = log.allow() {
-                warn!(%peer, listener = name, limit = limits.connections, held_back, "connection refused: at the connection limit");
+        let admission = match table.admit((), stream.duplicate().ok()) {
+            Ok(Admitted { admission, .. }) => admission,
+            Err(admission::Full) => {
+                if let Some(held_back) = log.allow() {
+                    warn!(%peer, listener = name, limit = limits.connections, held_back, "connection refused: at the connection limit");
+                }
+                // A fresh socket: the few bytes of the refusal fit its buffer, never blocking.
+                let _ = stream.set_send_timeout(Duration::from_millis(100));
+                refuse_busy(&mut stream);
+                continue;
             }
-            // A fresh socket: the few bytes of the refusal fit its buffer, never blocking.
-            let _ = stream.set_send_timeout(Duration::from_millis(100));
-            refuse_busy(&mut stream);
-            continue;
-        }
-        next += 1;
-        let id = next;
-        table.lock().unwrap_or_else(|e| e.into_inner()).live.insert(
-            id,
-            Live {
-                stream: stream.duplicate().ok(),
-                pending: Some(Instant::now()),
-                evicted: false,
-            },
-        );
-        let admission = Admission {
-            id,
-            table: table.clone(),
         };
         let serve = serve.clone();
         let spawned = std::thread::Builder::new()
@@ -212,10 +129,5 @@ pub(crate) async fn serve<L, F>(
             }
         }
     }
-    let t = table.lock().unwrap_or_else(|e| e.into_inner());
-    for l in t.live.values() {
-        if let Some(s) = &l.stream {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-    }
+    table.shed_all();
 }

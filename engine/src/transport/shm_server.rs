@@ -28,7 +28,9 @@ pub(crate) fn serve_conn(
         "shm",
         target.gate(),
         || target.descriptor(),
-        || admission.authenticated(),
+        || {
+            admission.proven();
+        },
     )
     .is_none()
     {

@@ -68,7 +68,9 @@ pub(crate) fn serve_conn(
         "tcp",
         target.gate(),
         || target.descriptor(),
-        || admission.authenticated(),
+        || {
+            admission.proven();
+        },
     )
     .is_none()
     {
