@@ -80,6 +80,20 @@ def _groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[tup
     return out
 
 
+# Attention backends that pack each (block, head) of their [B, H, N, C] view for their kernel
+# (vLLM's CPU attention stores K transposed, then V): rows are not tokens (layout.LayerSpec).
+# The others split C at the head size, K then V per token.
+_PACKED_BACKENDS = frozenset({"CPU_ATTN"})
+
+
+def _packed(vllm_config: VllmConfig, layer: str) -> bool:
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    return any(
+        b.get_name() in _PACKED_BACKENDS for b in get_current_attn_backends(vllm_config, [layer])
+    )
+
+
 class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector over kvfabric (see the module docstring)."""
 
@@ -133,7 +147,13 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
             rank, tp = get_tensor_model_parallel_rank(), parallel.tensor_parallel_size
             heads = kv_heads_of_rank(model.get_total_num_kv_heads(), rank, tp, model.use_mla)
             layers = {
-                name: LayerSpec(i, spec.block_size, heads, str(spec.dtype).removeprefix("torch."))
+                name: LayerSpec(
+                    i,
+                    spec.block_size,
+                    heads,
+                    str(spec.dtype).removeprefix("torch."),
+                    _packed(vllm_config, name),
+                )
                 for i, (g, spec) in enumerate(groups)
                 for name in kv_cache_config.kv_cache_groups[g].layer_names
             }
@@ -235,11 +255,7 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         if self._scheduler is not None:
-            import dataclasses
-
-            self._scheduler.info = dataclasses.replace(
-                self._scheduler.info, null_block=gpu_block_pool.null_block.block_id
-            )
+            self._scheduler.bind_null_block(gpu_block_pool.null_block.block_id)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         # A pull restores every transfer group, sliding-window ones included.

@@ -2,12 +2,16 @@
 tensors vLLM hands the connector, and its wire form in ``kv_transfer_params``.
 
 vLLM (≥ 0.32) gives every attention layer a logical ``[B, H, N, C]`` view of its cache: kernel
-blocks, the worker's KV heads, tokens per kernel block, and one cell of ``C`` elements per
-(head, token) (K and V side by side), with strides set by the KV cache layout (``LBHNC`` is
-head-major inside a block, ``LBNHC`` token-major). A layer described this way can be read by a
-peer of another TP size (other heads), another block size or another layout: the planner
-(``plan.py``) works on cells. A layer vLLM lays out any other way is *opaque*: its blocks are
-copied whole, which needs the same block size and the same heads on both sides.
+blocks, the worker's KV heads, tokens per kernel block, and ``C`` elements per (head, row),
+with strides set by the KV cache layout (``LBHNC`` is head-major inside a block, ``LBNHC``
+token-major). What a row holds is the attention backend's business. GPU backends split ``C``
+at the head size: row ``t`` is token ``t``'s K then V, one cell per (head, token), so a layer
+can be read by a peer of another TP size (other heads), another block size or another layout:
+the planner (``plan.py``) works on cells. vLLM's CPU attention packs each (block, head) for
+its kernel (K transposed, every token's V after it): such a layer is *packed*, its (block,
+head) ranges move whole, which allows another TP size but needs one block size on both
+sides. A layer vLLM lays out any other way is *opaque*: its blocks are copied whole, which
+needs the same block size and the same heads on both sides.
 
 Nothing here imports vLLM: the worker side runs where vLLM is not installed (its GPU test).
 """
@@ -55,6 +59,7 @@ class LayerLayout:
     heads: tuple[int, int] | None = None
     head_stride: int = 0
     cell: int = 0
+    packed: bool = False
     parts: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -89,7 +94,7 @@ class LayerLayout:
                     [list(p) for p in self.parts]]  # fmt: skip
         return [self.name, self.group, self.dtype, self.region, self.base, self.block_stride,
                 self.kernels, self.tokens, self.token_stride, list(self.heads), self.head_stride,
-                self.cell]  # fmt: skip
+                self.cell, int(self.packed)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,8 +144,8 @@ def _list(v: Any, field: str, n: int | None = None, most: int = MAX_LAYERS) -> l
 
 
 def layer_from_wire(v: Any, field: str) -> LayerLayout:
-    v = _list(v, field, most=12)
-    if len(v) not in (7, 12):
+    v = _list(v, field, most=13)
+    if len(v) not in (7, 13):
         raise invalid(field, v)
     common = {
         "name": _str(v[0], f"{field}.name"),
@@ -172,6 +177,7 @@ def layer_from_wire(v: Any, field: str) -> LayerLayout:
         heads=(h0, h1),
         head_stride=_int(v[10], f"{field}.head_stride"),
         cell=_int(v[11], f"{field}.cell", lo=1, hi=1 << 24),
+        packed=bool(_int(v[12], f"{field}.packed", hi=1)),
     )
 
 
@@ -195,12 +201,14 @@ def worker_from_wire(v: Any, field: str) -> WorkerLayout:
 class LayerSpec:
     """What vLLM's KV cache config says of a layer, as plain values: its group, the scheduler
     block size, the global KV heads this worker holds (``None`` when the layer has no heads to
-    split, e.g. a state cache), and the dtype's name."""
+    split, e.g. a state cache), the dtype's name, and whether its attention backend packs each
+    (block, head) for its kernel (vLLM's CPU attention: rows of the view are not tokens)."""
 
     group: int
     block_size: int
     heads: tuple[int, int] | None
     dtype: str
+    packed: bool = False
 
 
 def kv_heads_of_rank(total: int, tp_rank: int, tp_size: int, mla: bool = False) -> tuple[int, int]:
@@ -215,7 +223,7 @@ def kv_heads_of_rank(total: int, tp_rank: int, tp_size: int, mla: bool = False) 
     return (head, head + 1)
 
 
-def layer_layout(
+def layer_layouts(
     name: str,
     shape: tuple[int, ...],
     strides: tuple[int, ...],
@@ -224,9 +232,10 @@ def layer_layout(
     spec: LayerSpec,
     region: int,
     offset: int,
-) -> LayerLayout:
+) -> tuple[LayerLayout, ...]:
     """The layout of a layer tensor of ``num_blocks`` scheduler blocks at byte ``offset`` of
-    region ``region`` (see the module docstring)."""
+    region ``region`` (see the module docstring): structured when the view is ``[B, H, N, C]``
+    with dense cells, else opaque."""
     if spec.heads is not None and len(shape) == 4:
         blocks, heads, tokens, cell = shape
         sb, sh, st, sc = strides
@@ -238,21 +247,24 @@ def layer_layout(
             and tokens * kernels == spec.block_size
             and (sc == 1 or cell == 1)
         ):
-            return LayerLayout(
-                name=name,
-                group=spec.group,
-                dtype=spec.dtype,
-                region=region,
-                base=offset,
-                block_stride=sb * itemsize,
-                kernels=kernels,
-                tokens=tokens,
-                token_stride=st * itemsize,
-                heads=spec.heads,
-                head_stride=sh * itemsize,
-                cell=cell * itemsize,
+            return (
+                LayerLayout(
+                    name=name,
+                    group=spec.group,
+                    dtype=spec.dtype,
+                    region=region,
+                    base=offset,
+                    block_stride=sb * itemsize,
+                    kernels=kernels,
+                    tokens=tokens,
+                    token_stride=st * itemsize,
+                    heads=spec.heads,
+                    head_stride=sh * itemsize,
+                    cell=cell * itemsize,
+                    packed=spec.packed,
+                ),
             )
-    return _opaque(name, shape, strides, itemsize, num_blocks, spec, region, offset)
+    return (_opaque(name, shape, strides, itemsize, num_blocks, spec, region, offset),)
 
 
 def _opaque(
@@ -304,10 +316,10 @@ def _opaque(
     )
 
 
-def tensor_layout(
+def tensor_layouts(
     name: str, tensor: Any, num_blocks: int, spec: LayerSpec, region: int, offset: int
-) -> LayerLayout:
-    return layer_layout(
+) -> tuple[LayerLayout, ...]:
+    return layer_layouts(
         name,
         tuple(tensor.shape),
         tuple(tensor.stride()),
@@ -344,6 +356,6 @@ def worker_layout(
             regions.append(kvfabric.storage_tensor(t))
         region = index[storage.data_ptr()]
         offset = t.data_ptr() - storage.data_ptr()
-        layers.append(tensor_layout(name, t, num_blocks, spec, region, offset))
+        layers += tensor_layouts(name, t, num_blocks, spec, region, offset)
     pp, tp_rank, tp_size, block_size = place
     return regions, WorkerLayout(pp, tp_rank, tp_size, block_size, tuple(layers))

@@ -152,15 +152,17 @@ def _check_model(local: WorkerLayout, remotes: list[WorkerLayout]) -> dict[str, 
             raise Incompatible(Reason.INVALID_PARAMS, "remote workers disagree on block size")
         for layer in w.layers:
             holders.setdefault(layer.name, []).append(i)
-            kinds.setdefault(layer.name, (layer.group, layer.dtype, layer.cell, layer.structured))
+            kinds.setdefault(
+                layer.name, (layer.group, layer.dtype, layer.cell, layer.structured, layer.packed)
+            )
     for layer in local.layers:
         if layer.name not in holders:
             raise Incompatible(Reason.LAYERS, f"no remote worker holds layer {layer.name}")
-        want = (layer.group, layer.dtype, layer.cell, layer.structured)
+        want = (layer.group, layer.dtype, layer.cell, layer.structured, layer.packed)
         if kinds[layer.name] != want:
             raise Incompatible(
                 Reason.LAYERS,
-                f"layer {layer.name}: (group, dtype, cell bytes, structured) "
+                f"layer {layer.name}: (group, dtype, cell bytes, structured, packed) "
                 f"{kinds[layer.name]} there, {want} here",
             )
     return holders
@@ -179,6 +181,12 @@ def make_plan(local: WorkerLayout, remotes: list[WorkerLayout]) -> Plan:
         ratio, inverse = rb // lb, True
     else:
         raise Incompatible(Reason.BLOCK_SIZE, f"block size {rb} there, {lb} here")
+    if ratio != 1 and any(layer.packed for layer in local.layers):
+        raise Incompatible(
+            Reason.BLOCK_SIZE,
+            f"block size {rb} there, {lb} here: the attention backend packs each block for its "
+            "kernel (vLLM's CPU attention), so tokens cannot move between blocks of other sizes",
+        )
     # Per sub-block: (local first token, remote first token, tokens).
     subs = [
         (s * rb, 0, rb) if not inverse else (0, s * lb, lb) for s in range(ratio)

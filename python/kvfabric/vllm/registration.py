@@ -32,19 +32,26 @@ class Loop:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
-        self.pending: set[Future[Any]] = set()
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        self.pending.add(fut)
-        fut.add_done_callback(self.pending.discard)
-        return fut
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self, timeout: float) -> None:
-        """Cancels what is still running, stops the loop and joins its thread."""
-        for fut in list(self.pending):
-            fut.cancel()
+        """Cancels what is still running and lets it unwind (within ``timeout``), then stops
+        the loop and joins its thread."""
         if self.thread.is_alive():
+
+            async def cancel_all() -> None:
+                tasks = asyncio.all_tasks() - {asyncio.current_task()}
+                for t in tasks:
+                    t.cancel()
+                if tasks:
+                    await asyncio.wait(tasks, timeout=timeout)
+
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout + 1)
+            except Exception as e:  # noqa: BLE001 - stopping anyway
+                log.debug("kvfabric: stopping %s: %s", self.thread.name, e)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout)
         if not self.thread.is_alive():

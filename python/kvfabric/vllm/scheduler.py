@@ -16,6 +16,7 @@ an ended lease, ...) is recomputed; why is said once in the log and counted in t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -41,6 +42,12 @@ log = logging.getLogger("vllm.kvfabric")
 # catches the rest: a clock between instances can be off by this much without recomputes).
 EXPIRY_MARGIN_S = 0.5
 MAX_LOGGED_REASONS = 256
+
+
+def _window_start(computed: int, window: int) -> int:
+    """The first token the next one attends to in a sliding-window group, once ``computed``
+    tokens are (vLLM's ``get_num_skipped_tokens``: the blocks before it are freed or null)."""
+    return max(0, computed - window + 1) if window else 0
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,10 @@ class Scheduler:
 
     # -- start -----------------------------------------------------------------------------
 
+    def bind_null_block(self, block_id: int) -> None:
+        """vLLM's null block: what a group's freed positions point at (named -1 in params)."""
+        self.info = dataclasses.replace(self.info, null_block=block_id)
+
     def set_workers(self, metadata: dict[tuple[int, int], WorkerSegments]) -> None:
         self.local = dict(sorted(metadata.items()))
         self.local_layouts = [
@@ -170,7 +181,7 @@ class Scheduler:
         rb = h.layouts[0].block_size
         n = -(-h.tokens // rb)
         for i, ((_, window), ids) in enumerate(zip(self.info.groups, h.block_ids, strict=True)):
-            first = max(0, h.tokens - window) // rb if window else 0
+            first = _window_start(h.tokens, window) // rb
             if len(ids) < n or any(b < 0 for b in ids[first:n]):
                 return Incompatible(
                     Reason.INVALID_PARAMS,
@@ -281,7 +292,7 @@ class Scheduler:
                 if b.block_hash is None and not b.is_null:
                     positions.append(i)
                     ids.append(b.block_id)
-            first = max(0, end - window) if window else 0
+            first = _window_start(end, window)
             out.append(GroupBlocks(tuple(positions), tuple(ids), remote, first, end))
         return tuple(out)
 
