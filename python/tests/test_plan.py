@@ -38,14 +38,17 @@ POISON = -7
 
 @dataclass
 class Instance:
-    """The workers of one instance: their caches (by layer name) and layouts."""
+    """The workers of one instance: their caches (by layer name), the KV heads each holds, and
+    their layouts. ``packed``: how the backend reads a (block, head) (layout.LayerSpec)."""
 
     caches: list[dict[str, torch.Tensor]]
+    heads: list[tuple[int, int]]
     regions: list[list[torch.Tensor]]
     layouts: list[WorkerLayout]
     block_size: int
     num_blocks: int
-    mla: bool
+    kernel: int
+    packed: bool
 
 
 def layer_names() -> list[str]:
@@ -78,20 +81,41 @@ def instance(
     num_blocks: int,
     layout: str = "LBHNC",
     kernel: int | None = None,
+    packed: bool = False,
     mla: bool = False,
 ) -> Instance:
-    caches, regions, layouts = [], [], []
+    caches, heads, regions, layouts = [], [], [], []
+    kernel = kernel or block_size
     for rank in range(tp):
         held = kv_heads_of_rank(1 if mla else HEADS, rank, tp, mla)
-        c = caches_of(layout, num_blocks, block_size, held[1] - held[0], kernel or block_size)
-        specs = {n: LayerSpec(0, block_size, held, "int32") for n in c}
+        c = caches_of(layout, num_blocks, block_size, held[1] - held[0], kernel)
+        specs = {n: LayerSpec(0, block_size, held, "int32", packed) for n in c}
         r, w = worker_layout(c, specs, num_blocks, (0, rank, tp, block_size))
         # Through the wire and back, as the decode sees the prefill's layout.
         w = worker_from_wire(w.wire(), "layout")
         caches.append(c)
+        heads.append(held)
         regions.append([x.view(torch.uint8) for x in r])
         layouts.append(w)
-    return Instance(caches, regions, layouts, block_size, num_blocks, mla)
+    return Instance(caches, heads, regions, layouts, block_size, num_blocks, kernel, packed)
+
+
+def cell(inst: Instance, t: torch.Tensor, kb: int, h: int, j: int, value=None):
+    """Token ``j`` of kernel block ``kb``, local head ``h``: its K and V (read, or written from
+    ``value``), wherever the backend keeps them. Packed as vLLM's CPU attention packs a (block,
+    head): K transposed (element ``d`` of token ``t`` at ``d * N + t``), then V row-major."""
+    if not inst.packed:
+        if value is not None:
+            t[kb, h, j] = value
+        return t[kb, h, j].clone()
+    d = CELL // 2
+    chunk = t[kb, h].reshape(-1)
+    k_at = torch.arange(d) * inst.kernel + j
+    v_at = inst.kernel * d + j * d + torch.arange(d)
+    if value is not None:
+        chunk[k_at] = value[:d]
+        chunk[v_at] = value[d:]
+    return torch.cat((chunk[k_at], chunk[v_at]))
 
 
 def truth(tokens: int, mla: bool, seed: int) -> np.ndarray:
@@ -102,18 +126,15 @@ def truth(tokens: int, mla: bool, seed: int) -> np.ndarray:
 
 def fill(inst: Instance, kv: np.ndarray, block_ids: list[int]) -> None:
     """Writes the request's KV into the instance's blocks (the prefill computed it)."""
-    bs = inst.block_size
-    for w, c in zip(inst.layouts, inst.caches, strict=True):
-        for layer in w.layers:
-            t = c[layer.name]
-            kernels = layer.kernels
+    bs, per = inst.block_size, inst.block_size // inst.kernel
+    for (h0, h1), c in zip(inst.heads, inst.caches, strict=True):
+        for li, name in enumerate(layer_names()):
             for tok in range(kv.shape[2]):
                 pos, within = divmod(tok, bs)
-                k, j = divmod(within, layer.tokens)
-                for h in range(*layer.heads):
-                    t[block_ids[pos] * kernels + k, h - layer.heads[0], j] = torch.from_numpy(
-                        kv[layer_names().index(layer.name), h, tok]
-                    )
+                k, j = divmod(within, inst.kernel)
+                for h in range(h0, h1):
+                    value = torch.from_numpy(kv[li, h, tok])
+                    cell(inst, c[name], block_ids[pos] * per + k, h - h0, j, value)
 
 
 def run(plan, local: Instance, rank: int, remote: Instance, group: GroupBlocks) -> int:
@@ -136,25 +157,24 @@ def run(plan, local: Instance, rank: int, remote: Instance, group: GroupBlocks) 
 def check(local: Instance, rank: int, kv: np.ndarray, ids: list[int], hits: int, end: int):
     """Every loaded token's cells equal the truth; the hits' blocks and every other block are
     untouched."""
-    bs = local.block_size
-    w, c = local.layouts[rank], local.caches[rank]
-    for layer in w.layers:
-        t = c[layer.name]
-        li = layer_names().index(layer.name)
-        h0, h1 = layer.heads
+    bs, per = local.block_size, local.block_size // local.kernel
+    (h0, h1), c = local.heads[rank], local.caches[rank]
+    for li, name in enumerate(layer_names()):
+        t = c[name]
         for pos, b in enumerate(ids):
             for within in range(bs):
                 tok = pos * bs + within
-                k, j = divmod(within, layer.tokens)
-                got = t[b * layer.kernels + k, :, j].numpy()
-                if pos < hits or tok >= end:
-                    assert (got == POISON).all(), (layer.name, pos, tok, "written")
-                else:
-                    assert (got == kv[li, h0:h1, tok]).all(), (layer.name, pos, tok)
-        used = {b * layer.kernels + k for b in ids for k in range(layer.kernels)}
+                k, j = divmod(within, local.kernel)
+                for h in range(h0, h1):
+                    got = cell(local, t, b * per + k, h - h0, j).numpy()
+                    if pos < hits or tok >= end:
+                        assert (got == POISON).all(), (name, pos, tok, "written")
+                    else:
+                        assert (got == kv[li, h, tok]).all(), (name, pos, tok, h)
+        used = {b * per + k for b in ids for k in range(per)}
         for kb in range(t.shape[0]):
             if kb not in used:
-                assert (t[kb].numpy() == POISON).all(), (layer.name, kb, "outside the request")
+                assert (t[kb].numpy() == POISON).all(), (name, kb, "outside the request")
 
 
 def distinct(n: int, of: int, seed: int) -> list[int]:
@@ -174,19 +194,32 @@ CASES = {
     "token-major TP1 -> head-major TP2": ((1, 16, 40, "LBNHC", None), (2, 16, 24, "LBHNC", None)),
     "layers of a block together": ((1, 16, 40, "BLHNC", None), (1, 16, 24, "LBHNC", None)),
     "kernel blocks of 8 -> 16": ((1, 16, 40, "LBHNC", 8), (1, 16, 24, "LBHNC", None)),
+    # vLLM's CPU attention: each (block, head) packed for its kernel, moved whole.
+    "CPU attention, TP2 -> TP1": (
+        (2, 16, 40, "LBHNC", None, True),
+        (1, 16, 24, "LBHNC", None, True),
+    ),
+    "CPU attention, TP1 -> TP2": (
+        (1, 16, 40, "LBHNC", None, True),
+        (2, 16, 24, "LBHNC", None, True),
+    ),
+    "CPU attention, TP4 -> TP2": (
+        (4, 16, 40, "LBHNC", None, True),
+        (2, 16, 24, "LBHNC", None, True),
+    ),
 }
 
 
 @pytest.mark.parametrize("hits", [0, 2])
 @pytest.mark.parametrize("case", list(CASES))
 def test_plans_move_every_cell_of_the_loaded_tokens_and_nothing_else(case, hits):
-    (ptp, pbs, pnb, play, pk), (dtp, dbs, dnb, dlay, dk) = CASES[case]
+    (ptp, pbs, pnb, *prest), (dtp, dbs, dnb, *drest) = CASES[case]
     tokens = 5 * 32 + 7  # whole blocks of either size and a part
-    kv = truth(tokens, False, hash(case) & 0xFFFF)
-    p = instance(ptp, pbs, pnb, play, pk)
+    kv = truth(tokens, False, sum(map(ord, case)))
+    p = instance(ptp, pbs, pnb, *prest)
     rids = distinct(-(-tokens // pbs), pnb, 1)
     fill(p, kv, rids)
-    d = instance(dtp, dbs, dnb, dlay, dk)
+    d = instance(dtp, dbs, dnb, *drest)
     # The decode's prefix cache served the first `hits` blocks (the planner must not touch
     # them); vLLM allocated the rest.
     ids = distinct(-(-tokens // dbs), dnb, 2)
@@ -253,6 +286,16 @@ def test_a_sliding_window_loads_only_the_window_and_fails_closed_on_a_freed_bloc
         block_pairs(
             plan, plan.tables[0], GroupBlocks(group.local_positions, ids, remote, 40, tokens)
         )
+
+
+@pytest.mark.parametrize(("pbs", "dbs"), [(32, 16), (16, 32)])
+def test_packed_blocks_of_other_sizes_are_refused(pbs, dbs):
+    """vLLM's CPU attention packs each block for its kernel: tokens cannot be remapped between
+    blocks of other sizes, so the decode recomputes (with the reason)."""
+    p, d = instance(2, pbs, 24, packed=True), instance(1, dbs, 24, packed=True)
+    with pytest.raises(Incompatible) as e:
+        make_plan(d.layouts[0], p.layouts)
+    assert e.value.reason is Reason.BLOCK_SIZE and "packs" in e.value.detail
 
 
 def wire_of(inst: Instance) -> list:

@@ -55,11 +55,16 @@ def layout(blocks_at: int = 0) -> WorkerLayout:
 def engines(agent):
     made = []
 
-    def engine(name: str, slots: int = 4, blocks_at: int = 0, **extra) -> Scheduler:
+    def engine(
+        name: str, slots: int = 4, blocks_at: int = 0, window: int = 0, **extra
+    ) -> Scheduler:
         settings = Settings.of({"socket_dir": agent.socket_dir, **extra})
         client = kvfabric.Client(agent.socket_dir)
         mailbox = Mailbox(client, f"{name}.mailbox", slots, settings)
-        s = Scheduler(EngineInfo(name, name, BLOCK, 1, 1), settings, mailbox)
+        # A hybrid model: a full-attention group and a sliding-window one.
+        groups = ((0, 0), (1, window)) if window else ((0, 0),)
+        info = EngineInfo(name, name, BLOCK, 1, 1, groups, backoff=1 if window else 0)
+        s = Scheduler(info, settings, mailbox)
         s.set_workers({(0, 0): WorkerSegments(f"{name}.pp0.tp0", 0x1234, layout(blocks_at).wire())})
         made.append(s)
         return s
@@ -78,12 +83,14 @@ def request(req_id: str, tokens: int, params: dict | None) -> Request:
     return Request(req_id, list(range(3, 3 + tokens)), sp, None)
 
 
-def handed_over(p: Scheduler, req_id: str = "r1", tokens: int = 100, blocks=(4, 5, 6, 7)):
+def handed_over(
+    p: Scheduler, req_id: str = "r1", tokens: int = 100, blocks=((4, 5, 6, 7),), computed=None
+):
     """A prefill request that finished with do_remote_decode: (delay free, params)."""
     req = request(req_id, tokens, {"do_remote_decode": True})
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    req.num_computed_tokens = tokens
-    return p.request_finished(req, (list(blocks),))
+    req.num_computed_tokens = tokens if computed is None else computed
+    return p.request_finished(req, tuple(list(g) for g in blocks))
 
 
 def until(cond, timeout: float = 10.0):
@@ -109,16 +116,21 @@ def test_a_prefill_hands_over_and_holds_a_bounded_number_of_requests(engines):
     assert handed_over(p, "d")[0]
 
 
-def alloc(n_hits: int, n_new: int, first_id: int = 20) -> KVCacheBlocks:
-    """What vLLM hands update_state_after_alloc: the request's blocks, the first ``n_hits``
-    prefix-cache hits (hashed), then those allocated for the rest."""
-    blocks = []
+def group(n_hits: int, n_new: int, first_id: int = 20, n_null: int = 0) -> list[KVCacheBlock]:
+    """One group's blocks as vLLM hands them to update_state_after_alloc: ``n_null`` null
+    blocks (outside a sliding window), prefix-cache hits (hashed), then those allocated for
+    the rest."""
+    blocks = [KVCacheBlock(0, is_null=True) for _ in range(n_null)]
     for i in range(n_hits + n_new):
         b = KVCacheBlock(first_id + i)
         if i < n_hits:
             b.set_block_hash(b"h%d" % i)  # any hash: it marks a cached block
         blocks.append(b)
-    return KVCacheBlocks((blocks,))
+    return blocks
+
+
+def alloc(n_hits: int, n_new: int, first_id: int = 20) -> KVCacheBlocks:
+    return KVCacheBlocks((group(n_hits, n_new, first_id),))
 
 
 @pytest.mark.parametrize("hits", [0, 1, 3])
@@ -137,6 +149,36 @@ def test_a_decode_loads_only_what_its_prefix_cache_lacks(engines, hits):
     assert group.local_ids == tuple(range(20 + hits, 24))
     assert group.remote_ids == (4, 5, 6, 7) and (group.first, group.end) == (0, 100)
     assert not req.kv_transfer_params["do_remote_prefill"]  # one pull per request
+
+
+def test_a_sliding_window_group_loads_its_window_and_fails_closed_past_freed_blocks(engines):
+    """A hybrid model: the prefill names its freed window blocks -1 and leaves the last prompt
+    token to the decode; the decode loads the window group from the first token the next one
+    attends to, and recomputes when a block it needs was freed there."""
+    p, d = engines("p", window=64), engines("d", window=64)
+    p.bind_null_block(0)
+    # 200 prompt tokens; the prefill computed 199 and freed the window's blocks 0..3.
+    _, params = handed_over(
+        p, tokens=200, blocks=(range(1, 8), (0, 0, 0, 0, 12, 13, 14)), computed=199
+    )
+    assert params["remote_block_ids"][1] == [-1, -1, -1, -1, 12, 13, 14]
+    req = request("d1", 200, params)
+    d.on_new_request(req)
+    assert d.get_num_new_matched_tokens(req, 0) == (199, True)
+    # vLLM gives the window group null blocks for the 4 blocks before token 136 (199 - 64 + 1).
+    d.update_state_after_alloc(
+        req, KVCacheBlocks((group(0, 7), group(0, 3, first_id=40, n_null=4))), 199
+    )
+    full, window = step(d).loads["d1"].groups
+    assert (full.local_positions, full.first, full.end) == (tuple(range(7)), 0, 199)
+    assert (window.local_positions, window.local_ids) == ((4, 5, 6), (40, 41, 42))
+    assert (window.first, window.end) == (136, 199)
+    # A window block the decode needs was freed there: recomputed, not read.
+    bad = copy.deepcopy(params)
+    bad["remote_block_ids"][1][4] = -1
+    req = request("d2", 200, bad)
+    d.on_new_request(req)
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
 def test_a_request_aborted_while_queued_acknowledges_without_a_load(engines):

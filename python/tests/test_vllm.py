@@ -21,7 +21,6 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
@@ -31,10 +30,15 @@ from fabric import Agent, Etcd  # noqa: E402
 from tiny_llama import write  # noqa: E402
 from vllm_server import (  # noqa: E402
     BLOCK_SIZE,
+    HITS,
+    USAGE,
     VllmServer,
     prefill,
+    prompt,
+    pulls,
     start,
     tokens,
+    wait_free,
 )
 
 pytestmark = pytest.mark.vllm
@@ -43,12 +47,6 @@ pytestmark = pytest.mark.vllm
 LENGTHS = (7, 3 * BLOCK_SIZE, 4 * BLOCK_SIZE + 5)
 NEW_TOKENS = 12
 LEASE_S = 8.0
-HITS = "vllm:external_prefix_cache_hits_total"
-USAGE = "vllm:kv_cache_usage_perc"
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 500, n).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +94,7 @@ def expected(pd, p: list[int], n: int = NEW_TOKENS) -> list[int]:
 
 def pulled(pd, out: dict) -> bool:
     """Whether the decode worker logged a completed pull for this response's request."""
-    return f"kvfabric: pulled {out['id']}-" in pd["decode"].log()
+    return pulls(pd["decode"], out) > 0
 
 
 def disaggregated(pd, p: list[int], source: str = "prefill", n: int = NEW_TOKENS):
@@ -108,23 +106,11 @@ def disaggregated(pd, p: list[int], source: str = "prefill", n: int = NEW_TOKENS
     return params, out, pd["decode"].metric(HITS) - before
 
 
-def wait_free(server: VllmServer, timeout: float = 60) -> None:
-    """Until the server holds no KV blocks and runs nothing."""
-    deadline = time.monotonic() + timeout
-    while (
-        server.metric(USAGE) > 0
-        or server.metric("vllm:num_requests_running")
-        or server.metric("vllm:num_requests_waiting")
-    ):
-        assert time.monotonic() < deadline, f"{server.name} still holds blocks or requests"
-        time.sleep(0.2)
-
-
 def test_decode_outputs_equal_a_single_instance_token_for_token(pd):
     for i, n in enumerate(LENGTHS):
         p = prompt(n, i)
         params, out, hits = disaggregated(pd, p)
-        assert params["do_remote_prefill"] and params["kvfabric"]["workers"][0][0]
+        assert params["do_remote_prefill"] and params["kvfabric"]
         assert len(params["remote_block_ids"][0]) == -(-n // BLOCK_SIZE)
         assert tokens(out) == expected(pd, p), n
         # The decode (another size than the prefill) took the prompt's KV from the prefill:

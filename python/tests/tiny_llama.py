@@ -1,5 +1,6 @@
 """A tiny random-weight Llama written with transformers (no download): what the real-vLLM
-tests serve. Head size 32 and fp32, as vLLM's CPU attention takes; the seed picks the weights."""
+tests serve, with or without sliding-window layers. Head size 32 and fp32, as vLLM's CPU
+attention takes; the seed picks the weights."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import sys
 from pathlib import Path
 
 
-def write(path: str | Path, seed: int = 0, layers: int = 2) -> Path:
+def write(
+    path: str | Path, seed: int = 0, layers: int = 2, sliding_window: int | None = None
+) -> Path:
+    """``sliding_window``: every other layer (from the second) attends to that many tokens
+    (``layer_types``, which vLLM's Llama reads): vLLM then runs two KV cache groups, full
+    attention and sliding window (its hybrid KV cache manager)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -30,6 +36,16 @@ def write(path: str | Path, seed: int = 0, layers: int = 2) -> Path:
         bos_token_id=1,
         eos_token_id=2,
         torch_dtype="float32",
+        **(
+            {
+                "layer_types": [
+                    "sliding_attention" if i % 2 else "full_attention" for i in range(layers)
+                ],
+                "sliding_window": sliding_window,
+            }
+            if sliding_window
+            else {}
+        ),
     )
     model = LlamaForCausalLM(config).to(torch.float32)
     path.mkdir(parents=True, exist_ok=True)

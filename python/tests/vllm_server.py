@@ -140,8 +140,13 @@ class VllmServer:
         max_tokens: int,
         kv_transfer_params: dict | None = None,
         timeout: float = 120,
+        cache_salt: str | None = None,
     ) -> dict:
+        """``cache_salt``: computed apart from the prefix cache (vLLM hashes blocks with it), so
+        the output is the instance's own, from scratch."""
         body = self._body(prompt, max_tokens, kv_transfer_params)
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         req = urllib.request.Request(
             self.url + "/v1/completions",
             json.dumps(body).encode(),
@@ -170,7 +175,7 @@ class VllmServer:
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the series of ``name`` whose labels include ``labels`` (0 when none: a
         labelled counter has no series until it first counts)."""
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=60).read().decode()
         total = 0.0
         for line in text.splitlines():
             m = re.match(rf"^{re.escape(name)}(\{{.*\}})? (\S+)$", line)
@@ -221,6 +226,34 @@ def start(*servers: VllmServer, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     for s in servers:
         s.wait_ready(max(1.0, deadline - time.monotonic()))
+
+
+HITS = "vllm:external_prefix_cache_hits_total"
+USAGE = "vllm:kv_cache_usage_perc"
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """``n`` random token ids of the tiny models' vocabulary."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+def pulls(server: VllmServer, response: dict) -> int:
+    """How many of the server's workers logged a completed pull for this response's request."""
+    return server.log().count(f"kvfabric: pulled {response['id']}-")
+
+
+def wait_free(server: VllmServer, timeout: float = 60) -> None:
+    """Until the server holds no KV blocks and runs nothing."""
+    deadline = time.monotonic() + timeout
+    while (
+        server.metric(USAGE) > 0
+        or server.metric("vllm:num_requests_running")
+        or server.metric("vllm:num_requests_waiting")
+    ):
+        assert time.monotonic() < deadline, f"{server.name} still holds blocks or requests"
+        time.sleep(0.2)
 
 
 def tokens(response: dict) -> list[int]:
