@@ -83,14 +83,20 @@ def instance(
     kernel: int | None = None,
     packed: bool = False,
     mla: bool = False,
+    pp: int = 1,
 ) -> Instance:
+    """``tp * pp`` workers in vLLM's order (PP stage, then TP rank); a PP stage holds its
+    share of the layers, in order."""
     caches, heads, regions, layouts = [], [], [], []
     kernel = kernel or block_size
-    for rank in range(tp):
+    names = layer_names()
+    for stage, rank in ((s, r) for s in range(pp) for r in range(tp)):
         held = kv_heads_of_rank(1 if mla else HEADS, rank, tp, mla)
         c = caches_of(layout, num_blocks, block_size, held[1] - held[0], kernel)
+        mine = names[stage * LAYERS // pp : (stage + 1) * LAYERS // pp]
+        c = {n: t for n, t in c.items() if n in mine}
         specs = {n: LayerSpec(0, block_size, held, "int32", packed) for n in c}
-        r, w = worker_layout(c, specs, num_blocks, (0, rank, tp, block_size))
+        r, w = worker_layout(c, specs, num_blocks, (stage, rank, tp, block_size))
         # Through the wire and back, as the decode sees the prefill's layout.
         w = worker_from_wire(w.wire(), "layout")
         caches.append(c)
@@ -129,6 +135,8 @@ def fill(inst: Instance, kv: np.ndarray, block_ids: list[int]) -> None:
     bs, per = inst.block_size, inst.block_size // inst.kernel
     for (h0, h1), c in zip(inst.heads, inst.caches, strict=True):
         for li, name in enumerate(layer_names()):
+            if name not in c:
+                continue
             for tok in range(kv.shape[2]):
                 pos, within = divmod(tok, bs)
                 k, j = divmod(within, inst.kernel)
@@ -160,6 +168,8 @@ def check(local: Instance, rank: int, kv: np.ndarray, ids: list[int], hits: int,
     bs, per = local.block_size, local.block_size // local.kernel
     (h0, h1), c = local.heads[rank], local.caches[rank]
     for li, name in enumerate(layer_names()):
+        if name not in c:
+            continue
         t = c[name]
         for pos, b in enumerate(ids):
             for within in range(bs):
@@ -237,6 +247,26 @@ def test_plans_move_every_cell_of_the_loaded_tokens_and_nothing_else(case, hits)
             if set(range(*kv_heads_of_rank(HEADS, i, ptp))) & set(range(*held))
         }
         assert set(plan.peers) == needed, (plan.peers, needed)
+
+
+@pytest.mark.parametrize(("ppp", "ptp", "dpp", "dtp"), [(2, 1, 1, 1), (1, 2, 3, 1), (3, 2, 1, 2)])
+def test_pipeline_stages_are_read_from_the_workers_holding_their_layers(ppp, ptp, dpp, dtp):
+    """Instances split into other PP stages: each local layer is read, by name, from the
+    prefill workers of the stage that holds it (and the TP ranks holding its heads)."""
+    tokens = 3 * 16 + 5
+    kv = truth(tokens, False, 77)
+    p = instance(ptp, 16, 40, pp=ppp)
+    rids = distinct(4, 40, 1)
+    fill(p, kv, rids)
+    d = instance(dtp, 16, 24, pp=dpp)
+    ids = distinct(4, 24, 2)
+    for w, layout in enumerate(d.layouts):
+        plan = make_plan(layout, p.layouts)
+        run(plan, d, w, p, GroupBlocks(tuple(range(4)), tuple(ids), tuple(rids), 0, tokens))
+        check(d, w, kv, ids, 0, tokens)
+        names = {x.name for x in layout.layers}
+        holders = {i for i, r in enumerate(p.layouts) if names & {x.name for x in r.layers}}
+        assert set(plan.peers) <= holders
 
 
 def test_mla_reads_the_replicated_latent_once_from_one_worker():
