@@ -10,11 +10,17 @@ from pathlib import Path
 
 
 def write(
-    path: str | Path, seed: int = 0, layers: int = 2, sliding_window: int | None = None
+    path: str | Path,
+    seed: int = 0,
+    layers: int = 2,
+    sliding_window: int | None = None,
+    kv_heads: int = 2,
+    head_dim: int = 32,
 ) -> Path:
     """``sliding_window``: every other layer (from the second) attends to that many tokens
     (``layer_types``, which vLLM's Llama reads): vLLM then runs two KV cache groups, full
-    attention and sliding window (its hybrid KV cache manager)."""
+    attention and sliding window (its hybrid KV cache manager). ``kv_heads`` of ``head_dim``
+    (the attention heads are twice as many, the hidden size follows)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -24,12 +30,12 @@ def write(
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
+        hidden_size=2 * kv_heads * head_dim,
+        intermediate_size=4 * kv_heads * head_dim,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        num_attention_heads=2 * kv_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         max_position_embeddings=8192,
         initializer_range=0.05,
         tie_word_embeddings=False,

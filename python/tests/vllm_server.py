@@ -32,16 +32,18 @@ class VllmServer:
         socket_dir: str | None = None,
         extra_config: dict | None = None,
         prefix_caching: bool = True,
-        connector: tuple[str, str, dict] | None = None,
-        pythonpath: str | None = None,
+        connector: dict | None = None,
+        env: dict[str, str] | None = None,
         tp: int = 1,
         block_size: int = BLOCK_SIZE,
         kv_bytes: int = 64 << 20,
         args: list[str] | None = None,
     ) -> None:
         """``kv_role`` set: with KVFabricConnector on the agent at ``socket_dir``, or with
-        ``connector`` (class name, module, extra config) instead. ``tp``: tensor-parallel
-        workers; ``kv_bytes``: the KV cache's size (``--kv-cache-memory-bytes``)."""
+        another connector (``connector``: the kv-transfer-config fields that differ, e.g.
+        ``{"kv_connector": "NixlConnector", "kv_connector_module_path": None, ...}``).
+        ``env``: more environment. ``tp``: tensor-parallel workers; ``kv_bytes``: the KV
+        cache's size (``--kv-cache-memory-bytes``)."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -80,20 +82,18 @@ class VllmServer:
         if not prefix_caching:
             args.append("--no-enable-prefix-caching")
         if kv_role:
-            cls, module, extra = connector or (
-                "KVFabricConnector",
-                "kvfabric.vllm",
-                {"socket_dir": socket_dir, **(extra_config or {})},
-            )
             config = {
-                "kv_connector": cls,
-                "kv_connector_module_path": module,
+                "kv_connector": "KVFabricConnector",
+                "kv_connector_module_path": "kvfabric.vllm",
                 "kv_role": kv_role,
                 "kv_load_failure_policy": "recompute",
                 "engine_id": name,
-                "kv_connector_extra_config": extra,
+                "kv_connector_extra_config": {"socket_dir": socket_dir, **(extra_config or {})},
+                **(connector or {}),
             }
+            config = {k: v for k, v in config.items() if v is not None}
             args += ["--kv-transfer-config", json.dumps(config)]
+        extra_env = env
         env = dict(
             os.environ,
             VLLM_CPU_OMP_THREADS_BIND="nobind",
@@ -101,8 +101,7 @@ class VllmServer:
             OMP_NUM_THREADS="1",
             VLLM_LOGGING_LEVEL="INFO",
         )
-        if pythonpath:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+        env.update(extra_env or {})
         self.proc = subprocess.Popen(
             args,
             stdout=open(self.log_path, "w"),  # noqa: SIM115
