@@ -961,12 +961,7 @@ impl Node {
     /// The regions of a segment registered here, with what reaching them takes, for its key
     /// (the peer API's SegmentAccess, and this agent's own batches); for a live hold's key,
     /// also the hold's grant and its time left, `agent` then recorded as holding it.
-    pub fn segment_access(
-        &self,
-        agent: &str,
-        name: &str,
-        key: u64,
-    ) -> Result<SegmentAccess> {
+    pub fn segment_access(&self, agent: &str, name: &str, key: u64) -> Result<SegmentAccess> {
         let segment = self
             .segments
             .read()
