@@ -258,16 +258,17 @@ async fn a_hold_key_reads_its_granted_blocks_over_shm() {
     reads_granted_blocks("shm,tcp", "shm").await;
 }
 
-/// The code of a refused call, and that the decode's memory is as it was.
+/// The code of a refused call, and that neither side's memory changed.
 async fn refused(
     x: &Pair,
     what: &str,
     call: impl std::future::Future<Output = kvfabric_client::Result<u64>>,
 ) {
-    let before = bytes(&x.dst);
+    let before = [bytes(&x.dst), bytes(&x.src[0]), bytes(&x.src[1])];
     let e = call.await.expect_err(what);
     assert_eq!(e.code(), Some(Code::PermissionDenied), "{what}: {e}");
-    assert!(bytes(&x.dst) == before, "{what}: bytes were written");
+    let after = [bytes(&x.dst), bytes(&x.src[0]), bytes(&x.src[1])];
+    assert!(after == before, "{what}: bytes were written");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
