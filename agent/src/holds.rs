@@ -810,8 +810,10 @@ fn sweep_grants(t: &mut GrantTable) {
         .values()
         .filter(|s| {
             let st = s.state();
-            // A slot being asked for (no grant yet) is left to its asker.
-            st.expires.is_some_and(|e| e <= now)
+            // Expired, or holding no grant (its key was no hold's while batches still ran
+            // under an earlier grant); a slot being asked for is left to its asker, one in use
+            // to its batches.
+            st.expires.is_none_or(|e| e <= now)
                 && s.fetch.try_lock().is_ok()
                 && s.uses.try_write().is_ok()
         })
