@@ -489,6 +489,8 @@ async fn ending_a_hold_waits_for_its_batch_in_flight() {
     let one = &ops[..1];
     // Learn the grant (and open the connection) first, so the big batch starts moving at once.
     decode.read(&d, "big", hold.key, one).await.unwrap();
+    // SAFETY: no batch is in flight. Landed bytes below are then the big batch's own.
+    unsafe { dst.as_mut_slice() }.fill(0);
     let started = Instant::now();
     let reading = tokio::spawn({
         let (decode, d, ops) = (decode.clone(), d.clone(), ops.clone());
