@@ -55,6 +55,41 @@ pub enum Error {
     #[error("wrong key for segment {:?}", echo(.name))]
     WrongKey { name: String },
 
+    /// A hold asked of an agent that does not serve the segment: holds are made where the
+    /// segment's memory is registered.
+    #[error(
+        "segment {:?} is registered with agent {:?}, not this one: create its holds there",
+        echo(.name),
+        echo(.agent)
+    )]
+    SegmentElsewhere { name: String, agent: String },
+
+    /// ExtendHold of a hold that is not live (never issued, expired, ended).
+    #[error("no live hold with this key on segment {:?}", echo(.segment))]
+    NoSuchHold { segment: String },
+
+    /// A batch under a hold key whose hold has ended, expired or was never granted here.
+    #[error("the hold on segment {:?} has ended or expired", echo(.segment))]
+    HoldEnded { segment: String },
+
+    /// A batch under a hold key that reaches past what the hold grants.
+    #[error("hold on segment {:?}: {what}", echo(.segment))]
+    OutsideHold { segment: String, what: String },
+
+    /// EndHold: agents that were handed the hold did not confirm dropping it in time.
+    #[error(
+        "hold on segment {:?}: agent(s) {agents} did not confirm dropping it ({reason}); reads \
+         under it may still land until it expires in {remaining_ms} ms: wait that long before \
+         reusing its blocks, or call EndHold again",
+        echo(.segment)
+    )]
+    HoldUnconfirmed {
+        segment: String,
+        agents: String,
+        reason: String,
+        remaining_ms: u64,
+    },
+
     #[error("invalid {}: {} ({reason})", echo(.field), echo(.value))]
     InvalidRequest {
         field: String,
@@ -135,6 +170,11 @@ impl Error {
             Error::RegistryAuth { .. } => "registry_auth",
             Error::SegmentExists { .. } => "segment_exists",
             Error::WrongKey { .. } => "wrong_key",
+            Error::SegmentElsewhere { .. } => "segment_elsewhere",
+            Error::NoSuchHold { .. } => "unknown_hold",
+            Error::HoldEnded { .. } => "hold_ended",
+            Error::OutsideHold { .. } => "outside_hold",
+            Error::HoldUnconfirmed { .. } => "hold_unconfirmed",
             Error::InvalidRequest { .. } => "invalid_request",
             Error::UnknownAgent { .. } => "unknown_agent",
             Error::Exhausted { .. } => "exhausted",

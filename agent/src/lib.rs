@@ -10,6 +10,7 @@ pub mod discovery;
 mod error;
 pub mod fd_socket;
 pub mod fd_stash;
+pub mod holds;
 pub mod incoming;
 pub mod local_api;
 pub mod message_limit;

@@ -12,16 +12,20 @@ use tokio::sync::broadcast::error::RecvError;
 use tonic::{Request, Response, Status};
 
 use crate::error::Error;
+use crate::holds::DEFAULT_END_TIMEOUT;
 use crate::incoming::Connection;
-use crate::node::{Node, RegionSource, Transfer};
+use crate::node::{HoldPlane, Node, RegionSource, Transfer};
 use crate::registry::{Event, SegmentEntry};
 use crate::status;
 use crate::telemetry;
+use kvfabric_proto::limits::MAX_HOLD_TTL_MS;
 use kvfabric_proto::pb::local_agent_server::LocalAgent;
 use kvfabric_proto::pb::{
-    self, DeregisterSegmentRequest, DeregisterSegmentResponse, RegionInfo, RegisterSegmentRequest,
-    RegisterSegmentResponse, SegmentEvent, StatusRequest, StatusResponse, SubmitRequest,
-    SubmitResponse, WatchSegmentsRequest, region_spec, segment_event,
+    self, CreateHoldRequest, CreateHoldResponse, DeregisterSegmentRequest,
+    DeregisterSegmentResponse, EndHoldRequest, EndHoldResponse, ExtendHoldRequest,
+    ExtendHoldResponse, RegionInfo, RegisterSegmentRequest, RegisterSegmentResponse, SegmentEvent,
+    StatusRequest, StatusResponse, SubmitRequest, SubmitResponse, WatchSegmentsRequest,
+    region_spec, segment_event,
 };
 use tonic::transport::server::UdsConnectInfo;
 use tracing::{Instrument, field, info_span};
@@ -330,6 +334,66 @@ impl LocalAgent for LocalApi {
         Ok(Response::new(stream))
     }
 
+    async fn create_hold(
+        &self,
+        request: Request<CreateHoldRequest>,
+    ) -> Result<Response<CreateHoldResponse>, Status> {
+        let req = request.into_inner();
+        let planes: Vec<HoldPlane> = req
+            .planes
+            .iter()
+            .map(|p| HoldPlane {
+                region: p.region,
+                base: p.base,
+                stride: p.stride,
+                block_bytes: p.block_bytes,
+            })
+            .collect();
+        let (hold_key, left) =
+            self.node
+                .create_hold(&req.segment, req.key, &planes, req.block_ids, req.ttl_ms)?;
+        Ok(Response::new(CreateHoldResponse {
+            hold_key,
+            expires_in_ms: millis(left),
+        }))
+    }
+
+    async fn extend_hold(
+        &self,
+        request: Request<ExtendHoldRequest>,
+    ) -> Result<Response<ExtendHoldResponse>, Status> {
+        let req = request.into_inner();
+        let left = self
+            .node
+            .extend_hold(&req.segment, req.key, req.hold_key, req.ttl_ms)?;
+        Ok(Response::new(ExtendHoldResponse {
+            expires_in_ms: millis(left),
+        }))
+    }
+
+    async fn end_hold(
+        &self,
+        request: Request<EndHoldRequest>,
+    ) -> Result<Response<EndHoldResponse>, Status> {
+        let req = request.into_inner();
+        let timeout = match req.timeout_ms {
+            0 => DEFAULT_END_TIMEOUT,
+            ms if ms <= MAX_HOLD_TTL_MS => Duration::from_millis(ms),
+            ms => {
+                return Err(Error::invalid(
+                    "timeout_ms",
+                    ms,
+                    format!("0 (the agent's 5 s) or at most {MAX_HOLD_TTL_MS} ms"),
+                )
+                .into());
+            }
+        };
+        self.node
+            .end_hold(&req.segment, req.key, req.hold_key, timeout)
+            .await?;
+        Ok(Response::new(EndHoldResponse {}))
+    }
+
     async fn status(
         &self,
         _request: Request<StatusRequest>,
@@ -339,6 +403,10 @@ impl LocalAgent for LocalApi {
             .map_err(|e| Status::internal(format!("status document: {e}")))?;
         Ok(Response::new(StatusResponse { json }))
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A stream fed by a task: `first` items, then whatever `feed` sends; ends when the client goes.

@@ -75,6 +75,15 @@ pub struct Metrics {
     pub accept_errors: Counter,
     /// Connections closed or refused to keep a port open to those who prove themselves.
     pub connections_shed: Family<ShedLabels, Counter>,
+    /// Holds on this agent's segments that are live now.
+    pub holds_live: Gauge,
+    /// Holds created, ended by EndHold, and ended by their expiry.
+    pub holds_created: Counter,
+    pub holds_ended: Counter,
+    pub holds_expired: Counter,
+    /// Batches of local workers refused under a hold key: outside the grant, a write, or the
+    /// hold ended or expired.
+    pub hold_refused_batches: Counter,
 }
 
 fn histogram() -> Histogram {
@@ -102,6 +111,11 @@ impl Metrics {
             spans_dropped: spans.dropped.clone(),
             accept_errors: Counter::default(),
             connections_shed: Family::default(),
+            holds_live: Gauge::default(),
+            holds_created: Counter::default(),
+            holds_ended: Counter::default(),
+            holds_expired: Counter::default(),
+            hold_refused_batches: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -172,6 +186,32 @@ impl Metrics {
             "spans_dropped",
             "Spans lost because the collector could not take them",
             m.spans_dropped.clone(),
+        );
+        registry.register(
+            "holds_live",
+            "Holds on this agent's segments that are live",
+            m.holds_live.clone(),
+        );
+        registry.register(
+            "holds_created",
+            "Holds created on this agent's segments",
+            m.holds_created.clone(),
+        );
+        registry.register(
+            "holds_ended",
+            "Holds ended by their owner (EndHold)",
+            m.holds_ended.clone(),
+        );
+        registry.register(
+            "holds_expired",
+            "Holds that reached their expiry",
+            m.holds_expired.clone(),
+        );
+        registry.register(
+            "hold_refused_batches",
+            "Batches of local workers refused under a hold key (outside the grant, a write, or \
+             the hold ended)",
+            m.hold_refused_batches.clone(),
         );
         Metrics { registry, ..m }
     }

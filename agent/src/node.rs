@@ -17,6 +17,7 @@ use tracing::{Instrument, debug, field, info, info_span, warn};
 
 use crate::error::{Error, Result};
 use crate::fd_stash::FdStash;
+use crate::holds::{self, Grant, GrantPlane, GrantSlot, Grants, Holds, Unusable};
 use crate::metrics::{LinkLabels, SharedMetrics, TransportLabels};
 use crate::peer_link;
 use crate::peer_tls::PeerTls;
@@ -159,6 +160,32 @@ pub struct Node {
     /// Peer agents RDMA was given up for (the engine's retry policy failed it), with why: their
     /// links are re-opened over the next allowed transport and say so.
     rdma_given_up: Mutex<HashMap<String, String>>,
+    /// Holds on the segments registered here (this agent hands out their grants).
+    pub holds: Holds,
+    /// Grants other agents (or this one) handed this agent for its workers' batches.
+    pub grants: Grants,
+}
+
+/// A plane of a CreateHold request: block `i` is `block_bytes` at `base + i × stride` of the
+/// segment's region `region` (an index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldPlane {
+    pub region: u32,
+    pub base: u64,
+    pub stride: u64,
+    pub block_bytes: u64,
+}
+
+/// What SegmentAccess answers: a segment's regions, and for a hold's key the grant and the
+/// time it has left.
+pub type SegmentAccess = (Vec<RegionDesc>, Option<(Arc<Grant>, Duration)>);
+
+/// How a remote segment may be reached for a batch: with its key (all of it), or under a
+/// hold's grant.
+#[derive(Debug)]
+enum Access {
+    Full,
+    Hold(Arc<GrantSlot>),
 }
 
 impl Node {
@@ -182,6 +209,8 @@ impl Node {
             dialing: Mutex::default(),
             closed_bytes: AtomicU64::new(0),
             rdma_given_up: Mutex::default(),
+            holds: Holds::default(),
+            grants: Grants::default(),
         })
     }
 
@@ -391,6 +420,8 @@ impl Node {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(name);
+        self.holds.drop_segment(name);
+        self.metrics.holds_live.set(self.holds.live() as i64);
         if let Some(segment) = segment {
             self.drop_regions(&segment.regions).await;
         }
@@ -440,6 +471,7 @@ impl Node {
             .map(|(_, s)| s)
             .collect();
         for s in all {
+            self.holds.drop_segment(&s.name);
             self.drop_regions(&s.regions).await;
         }
     }
@@ -585,18 +617,68 @@ impl Node {
             .map_err(|_| late("connecting to the peer agent"))??;
         span.record("kvfabric.transport", link.peer.transport().to_string());
         span.record("kvfabric.transport.reason", link.reason.as_str());
-        tokio::time::timeout_at(deadline, self.learn_segment(&link, &remote, t.remote_key))
-            .await
-            .map_err(|_| late("asking the peer agent for the segment's regions"))??;
-        let wrong = |r: &SegmentRegion| {
-            link.peer
-                .region_key(r.id)
-                .is_some_and(|k| k != AccessKey(t.remote_key))
-        };
-        if remote.regions.iter().any(wrong) {
-            return Err(Error::WrongKey {
-                name: remote.name.clone(),
-            });
+        let access = tokio::time::timeout_at(
+            deadline,
+            self.learn_segment(&link, &remote, t.remote_key, budget),
+        )
+        .await
+        .map_err(|_| late("asking the peer agent for the segment's regions"))??;
+        // Under a hold: the guard its batches hold (the engine keeps it until every piece is
+        // accounted for, which is what a revocation waits for) and when the grant ends.
+        let mut under_hold = None;
+        match &access {
+            Access::Full => {
+                let wrong = |r: &SegmentRegion| {
+                    link.peer
+                        .region_key(r.id)
+                        .is_some_and(|k| k != AccessKey(t.remote_key))
+                };
+                if remote.regions.iter().any(wrong) {
+                    return Err(Error::WrongKey {
+                        name: remote.name.clone(),
+                    });
+                }
+            }
+            Access::Hold(slot) => {
+                let refused = |e: Error| {
+                    self.metrics.hold_refused_batches.inc();
+                    e
+                };
+                if t.opcode != Opcode::Read {
+                    return Err(refused(Error::OutsideHold {
+                        segment: remote.name.clone(),
+                        what: "a hold grants reads only".into(),
+                    }));
+                }
+                let uses = tokio::time::timeout_at(deadline, slot.uses.clone().read_owned())
+                    .await
+                    .map_err(|_| late("waiting for the hold's revocation"))?;
+                let usable = slot.usable().map_err(|why| {
+                    refused(match why {
+                        Unusable::Ended => Error::HoldEnded {
+                            segment: remote.name.clone(),
+                        },
+                        // Dropped from the table between the question and now (a sweep of an
+                        // expired grant, a key found to be no hold's): the worker retries.
+                        Unusable::Retry => Error::PeerAgent {
+                            agent: link.agent.clone(),
+                            addr: link.peer_addr.to_string(),
+                            reason: "the hold's grant changed while the batch started; retry"
+                                .into(),
+                        },
+                    })
+                })?;
+                usable.grant.admits(&ops).map_err(|o| {
+                    refused(Error::OutsideHold {
+                        segment: remote.name.clone(),
+                        what: o.to_string(),
+                    })
+                })?;
+                under_hold = Some((
+                    Arc::new(uses) as Arc<dyn std::any::Any + Send + Sync>,
+                    tokio::time::Instant::from_std(usable.expires),
+                ));
+            }
         }
         let transport = info_span!(
             "kvfabric.transport",
@@ -613,9 +695,20 @@ impl Node {
             otel.status_code = field::Empty,
         );
         let outcome = async {
-            let mut batch = Batch::of(t.opcode, ops)
-                .with_checksum(t.checksum)
-                .with_remote_key(AccessKey(t.remote_key));
+            let mut batch = Batch::of(t.opcode, ops).with_checksum(t.checksum);
+            // Under a hold the engine presents the region keys the segment's agent gave
+            // this one (the worker never sees them); with the segment's key, that key.
+            let deadline = match under_hold {
+                None => {
+                    batch = batch.with_remote_key(AccessKey(t.remote_key));
+                    deadline
+                }
+                Some((uses, expires)) => {
+                    batch = batch.keeping(uses);
+                    // No read under the grant is still running when it ends.
+                    deadline.min(expires)
+                }
+            };
             batch.trace = telemetry::current_trace();
             // What is left of the batch's deadline (at least 1 ms: the engine's own timeout
             // then reports it).
@@ -866,24 +959,346 @@ impl Node {
     }
 
     /// The regions of a segment registered here, with what reaching them takes, for its key
-    /// (the peer API's SegmentAccess).
-    pub fn segment_regions(&self, name: &str, key: u64) -> Result<Vec<RegionDesc>> {
-        let segment = self.local_segment(name, key)?;
+    /// (the peer API's SegmentAccess, and this agent's own batches); for a live hold's key,
+    /// also the hold's grant and its time left, `agent` then recorded as holding it.
+    pub fn segment_access(&self, agent: &str, name: &str, key: u64) -> Result<SegmentAccess> {
+        let segment = self
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NoSuchSegment { name: name.into() })?;
+        let grant = if segment.key == AccessKey(key) {
+            None
+        } else {
+            Some(
+                self.holds
+                    .access(&segment, key, agent)?
+                    .ok_or_else(|| Error::WrongKey { name: name.into() })?,
+            )
+        };
         let ids: Vec<RegionId> = segment.regions.iter().map(|r| r.id()).collect();
         let mut regions = self.descriptor().regions;
         regions.retain(|r| ids.contains(&r.id));
-        Ok(regions)
+        Ok((regions, grant))
+    }
+
+    /// A segment registered here, for its owner's hold requests: NOT_FOUND naming the agent
+    /// that serves it when that is another.
+    fn hold_segment(&self, name: &str, key: u64) -> Result<Arc<LocalSegment>> {
+        match self.local_segment(name, key) {
+            Err(Error::NoSuchSegment { .. }) => match self.registry.segment(name) {
+                Some(e) if e.agent != self.config.name => Err(Error::SegmentElsewhere {
+                    name: name.into(),
+                    agent: e.agent,
+                }),
+                _ => Err(Error::NoSuchSegment { name: name.into() }),
+            },
+            other => other,
+        }
+    }
+
+    /// Grants reads of `block_ids` of every plane of segment `name` for `ttl_ms`, returning
+    /// the hold's key and its time left. Every block of every plane must lie inside its region
+    /// (checked arithmetic: the engine's plane bound); the number of holds and the memory they
+    /// take are bounded (`holds::MAX_*`).
+    pub fn create_hold(
+        &self,
+        name: &str,
+        key: u64,
+        planes: &[HoldPlane],
+        block_ids: Vec<u64>,
+        ttl_ms: u64,
+    ) -> Result<(u64, Duration)> {
+        use kvfabric_proto::limits::{MAX_HOLD_BLOCK_IDS, MAX_HOLD_PLANES};
+        let segment = self.hold_segment(name, key)?;
+        let ttl = hold_ttl(ttl_ms)?;
+        if planes.is_empty() || planes.len() > MAX_HOLD_PLANES {
+            return Err(Error::invalid(
+                "planes",
+                planes.len(),
+                format!("a hold has 1..={MAX_HOLD_PLANES} planes"),
+            ));
+        }
+        if block_ids.is_empty() || block_ids.len() > MAX_HOLD_BLOCK_IDS {
+            return Err(Error::invalid(
+                "block_ids",
+                block_ids.len(),
+                format!("a hold has 1..={MAX_HOLD_BLOCK_IDS} block ids"),
+            ));
+        }
+        let max_id = block_ids.iter().copied().max().unwrap_or(0);
+        let mut granted = Vec::with_capacity(planes.len());
+        for (i, p) in planes.iter().enumerate() {
+            let region = segment.regions.get(p.region as usize).ok_or_else(|| {
+                index_error(
+                    format!("planes[{i}].region"),
+                    p.region.into(),
+                    name,
+                    segment.regions.len(),
+                )
+            })?;
+            if p.block_bytes == 0 {
+                return Err(Error::invalid(
+                    format!("planes[{i}].block_bytes"),
+                    0,
+                    "blocks need at least one byte",
+                ));
+            }
+            let end = kvfabric_engine::plane_end(p.base, p.stride, max_id, p.block_bytes)
+                .ok_or_else(|| {
+                    Error::invalid(
+                        format!("planes[{i}].stride"),
+                        p.stride,
+                        format!(
+                            "base + largest block id ({max_id}) × stride + block_bytes passes 2^64"
+                        ),
+                    )
+                })?;
+            if end > region.len() {
+                return Err(Error::invalid(
+                    format!("planes[{i}]"),
+                    format!("block {max_id} ends at byte {end}"),
+                    format!("past region {} ({} bytes)", p.region, region.len()),
+                ));
+            }
+            granted.push(GrantPlane {
+                region: region.id(),
+                base: p.base,
+                stride: p.stride,
+                block_bytes: p.block_bytes,
+            });
+        }
+        let grant = Grant::new(granted, block_ids).map_err(|(plane, why)| {
+            Error::invalid(
+                plane.map_or("planes".into(), |i| format!("planes[{i}]")),
+                "",
+                why,
+            )
+        })?;
+        let keys: std::collections::HashSet<u64> =
+            self.local_segments().iter().map(|s| s.key.0).collect();
+        let hold_key = self
+            .holds
+            .create(&segment, grant, ttl, |k| keys.contains(&k))?;
+        self.metrics.holds_created.inc();
+        self.metrics.holds_live.set(self.holds.live() as i64);
+        debug!(
+            segment = name,
+            ttl_ms,
+            planes = planes.len(),
+            "hold created"
+        );
+        Ok((hold_key, ttl))
+    }
+
+    /// Moves a live hold's expiry to `ttl_ms` from now (never earlier); returns the time left.
+    pub fn extend_hold(
+        &self,
+        name: &str,
+        key: u64,
+        hold_key: u64,
+        ttl_ms: u64,
+    ) -> Result<Duration> {
+        let segment = self.hold_segment(name, key)?;
+        let ttl = hold_ttl(ttl_ms)?;
+        self.holds.extend(&segment, hold_key, ttl)
+    }
+
+    /// Ends a hold, returning once no read under it can land: the grant is no longer handed
+    /// out, and every agent it was handed to (this one included) dropped it and saw its batches
+    /// under it accounted for, all within `timeout`. An agent that does not confirm in time
+    /// (hung, unreachable, gone from the registry) makes it DEADLINE_EXCEEDED with the hold's
+    /// time left; a second call asks only those again.
+    pub async fn end_hold(
+        &self,
+        name: &str,
+        key: u64,
+        hold_key: u64,
+        timeout: Duration,
+    ) -> Result<()> {
+        let segment = self.hold_segment(name, key)?;
+        let Some(ending) = self.holds.begin_end(&segment, hold_key) else {
+            // Never issued, expired, or ended: no read under it can land.
+            return Ok(());
+        };
+        if ending.was_live {
+            self.metrics.holds_ended.inc();
+            self.metrics.holds_live.set(self.holds.live() as i64);
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        let asks = ending.agents.iter().map(|agent| async move {
+            let asked =
+                tokio::time::timeout_at(deadline, self.revoke_at(agent, name, hold_key, deadline))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Error::Deadline {
+                            during: "waiting for the agent to confirm",
+                            millis: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                        })
+                    });
+            (agent.clone(), asked)
+        });
+        let answers = futures::future::join_all(asks).await;
+        let confirmed: Vec<String> = answers
+            .iter()
+            .filter(|(_, r)| r.is_ok())
+            .map(|(a, _)| a.clone())
+            .collect();
+        let Some(left) = self.holds.confirm(hold_key, &confirmed) else {
+            debug!(segment = name, agents = ending.agents.len(), "hold ended");
+            return Ok(());
+        };
+        let failed: Vec<(String, String)> = answers
+            .into_iter()
+            .filter_map(|(a, r)| r.err().map(|e| (a, e.to_string())))
+            .collect();
+        warn!(segment = name, agents = ?failed, left_ms = left.as_millis() as u64, "hold ended without every agent's confirmation");
+        Err(Error::HoldUnconfirmed {
+            segment: name.into(),
+            agents: failed
+                .iter()
+                .map(|(a, _)| format!("{:?}", kvfabric_proto::limits::echo(a)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            reason: failed
+                .first()
+                .map(|(_, e)| kvfabric_proto::limits::echo(e))
+                .unwrap_or_default(),
+            remaining_ms: u64::try_from(left.as_millis()).unwrap_or(u64::MAX),
+        })
+    }
+
+    /// Asks `agent` (this one directly, others through their peer API) to drop its grant of
+    /// the hold and to answer once its batches under it are accounted for.
+    async fn revoke_at(
+        &self,
+        agent: &str,
+        segment: &str,
+        hold_key: u64,
+        deadline: tokio::time::Instant,
+    ) -> Result<()> {
+        let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if agent == self.config.name {
+            return self.grants.revoke(segment, hold_key, wait).await;
+        }
+        let entry = self
+            .registry
+            .agent(agent)
+            .ok_or_else(|| Error::UnknownAgent {
+                agent: agent.into(),
+                segment: segment.into(),
+            })?;
+        self.caller()
+            .revoke_hold(&entry, segment, hold_key, wait)
+            .await
+    }
+
+    /// The peer API's RevokeHold: drops this agent's grant of the hold and waits (at most
+    /// `wait`) for its batches under it.
+    pub async fn revoke_grant(&self, segment: &str, hold_key: u64, wait: Duration) -> Result<()> {
+        self.grants.revoke(segment, hold_key, wait).await
+    }
+
+    /// Forgets expired holds and unused expired grants (every second, from the server).
+    pub fn sweep_holds(&self) {
+        let swept = self.holds.sweep();
+        self.metrics.holds_expired.inc_by(swept.expired as u64);
+        self.metrics.holds_live.set(self.holds.live() as i64);
+        self.grants.sweep();
     }
 
     /// Makes sure the link knows every region of `segment` as the holder of `key` may reach
     /// them: asked of the peer (which checks the key) the first time, and again when the key
     /// or the segment's regions changed. Regions of segments the registry no longer lists for
     /// the peer are forgotten on the way, so what a link knows stays bounded.
-    async fn learn_segment(&self, link: &Link, segment: &SegmentEntry, key: u64) -> Result<()> {
+    ///
+    /// A key that is not the segment's may be a hold's: the peer then answers with the grant,
+    /// kept per (segment, key) for this agent's batches until it has less than
+    /// `min(budget, GRANT_REFRESH)` left, when it is asked for again (the owner may have
+    /// extended the hold).
+    async fn learn_segment(
+        &self,
+        link: &Link,
+        segment: &SegmentEntry,
+        key: u64,
+        budget: Duration,
+    ) -> Result<Access> {
         let mut learned = link.learned.lock().await;
-        if learned.get(&segment.name) == Some(&key) && unserved(link, segment).is_none() {
-            return Ok(());
+        let want = budget.min(holds::GRANT_REFRESH);
+        // A slot found gone was dropped by another batch's question (its key turned out to be
+        // the segment's, say): ask again with a new one, a few times at most.
+        for _ in 0..3 {
+            let served = unserved(link, segment).is_none();
+            if served && learned.get(&segment.name) == Some(&key) {
+                return Ok(Access::Full);
+            }
+            if served
+                && let Some(slot) = self.grants.find(&segment.name, key)
+                && slot.fresh(want).is_some()
+            {
+                return Ok(Access::Hold(slot));
+            }
+            // The slot is in the table before the question leaves: a revocation that overtakes
+            // the answer finds it, and the answer is then not used.
+            let slot = self.grants.slot(&segment.name, key)?;
+            let _asking = slot.fetch.lock().await;
+            if holds::slot_gone(&slot) {
+                continue;
+            }
+            if served && slot.fresh(want).is_some() {
+                return Ok(Access::Hold(slot.clone()));
+            }
+            let asked = std::time::Instant::now();
+            let (fresh, grant) = match self.ask_segment_access(link, segment, key).await {
+                Ok(answer) => answer,
+                Err(e) => {
+                    self.grants.discard(&slot);
+                    return Err(e);
+                }
+            };
+            self.merge_regions(link, &mut learned, fresh);
+            let access = match grant {
+                None => {
+                    self.grants.discard(&slot);
+                    learned.insert(segment.name.clone(), key);
+                    Access::Full
+                }
+                Some((grant, left)) => {
+                    let expires = asked + left.saturating_sub(holds::margin(left));
+                    self.grants.set(&slot, grant, expires)?;
+                    Access::Hold(slot.clone())
+                }
+            };
+            if let Some(r) = unserved(link, segment) {
+                learned.remove(&segment.name);
+                return Err(Error::PeerAgent {
+                    agent: link.agent.clone(),
+                    addr: link.peer_addr.to_string(),
+                    reason: format!(
+                        "does not serve region {} of segment {:?} (the registry entry is stale)",
+                        r.id,
+                        kvfabric_proto::limits::echo(&segment.name)
+                    ),
+                });
+            }
+            return Ok(access);
         }
+        Err(Error::PeerAgent {
+            agent: link.agent.clone(),
+            addr: link.peer_addr.to_string(),
+            reason: "the hold's grant kept changing while the batch started; retry".into(),
+        })
+    }
+
+    /// SegmentAccess of the agent behind `link` (this agent's own table when it is this one).
+    async fn ask_segment_access(
+        &self,
+        link: &Link,
+        segment: &SegmentEntry,
+        key: u64,
+    ) -> Result<SegmentAccess> {
         let agent = self
             .registry
             .agent(&link.agent)
@@ -891,13 +1306,24 @@ impl Node {
                 agent: link.agent.clone(),
                 segment: segment.name.clone(),
             })?;
-        let fresh = if agent.name == self.config.name {
-            self.segment_regions(&segment.name, key)?
-        } else {
-            self.caller()
-                .segment_access(&agent, &segment.name, key)
-                .await?
-        };
+        if agent.name == self.config.name {
+            return self.segment_access(&self.config.name, &segment.name, key);
+        }
+        let (regions, grant) = self
+            .caller()
+            .segment_access(&agent, &segment.name, key)
+            .await?;
+        Ok((regions, grant.map(|(g, left)| (Arc::new(g), left))))
+    }
+
+    /// Puts `fresh` regions into what the link knows, forgetting those of segments the
+    /// registry no longer lists for the peer.
+    fn merge_regions(
+        &self,
+        link: &Link,
+        learned: &mut HashMap<String, u64>,
+        fresh: Vec<RegionDesc>,
+    ) {
         let listed = self.registry.segments();
         let live: std::collections::HashSet<RegionId> = listed
             .values()
@@ -911,20 +1337,6 @@ impl Node {
         descriptor.regions.extend(fresh);
         link.peer.set_descriptor(descriptor);
         learned.retain(|name, _| listed.contains_key(name));
-        learned.insert(segment.name.clone(), key);
-        if let Some(r) = unserved(link, segment) {
-            learned.remove(&segment.name);
-            return Err(Error::PeerAgent {
-                agent: link.agent.clone(),
-                addr: agent.peer_addr.to_string(),
-                reason: format!(
-                    "does not serve region {} of segment {:?} (the registry entry is stale)",
-                    r.id,
-                    kvfabric_proto::limits::echo(&segment.name)
-                ),
-            });
-        }
-        Ok(())
     }
 
     async fn forget(&self, link: &Arc<Link>) {
@@ -964,6 +1376,19 @@ fn connection_lost(e: &kvfabric_engine::Error) -> bool {
         e.code(),
         "peer_closed" | "timeout" | "io" | "malformed_frame" | "shutting_down"
     )
+}
+
+/// A hold's time to live: 1 ms to an hour.
+fn hold_ttl(ttl_ms: u64) -> Result<Duration> {
+    use kvfabric_proto::limits::MAX_HOLD_TTL_MS;
+    if !(1..=MAX_HOLD_TTL_MS).contains(&ttl_ms) {
+        return Err(Error::invalid(
+            "ttl_ms",
+            ttl_ms,
+            format!("a hold lives 1..={MAX_HOLD_TTL_MS} ms"),
+        ));
+    }
+    Ok(Duration::from_millis(ttl_ms))
 }
 
 fn index_error(field: String, index: u64, segment: &str, count: usize) -> Error {

@@ -2,17 +2,20 @@
 //! to exchange the QPs of the connection).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvfabric_engine::ConnectInfo;
 use tonic::{Request, Response, Status};
 use tracing::{debug, warn};
 
 use crate::error::Error;
+use crate::holds;
 use crate::node::Node;
+use kvfabric_proto::limits::MAX_HOLD_TTL_MS;
 use kvfabric_proto::pb::peer_agent_server::PeerAgent;
 use kvfabric_proto::pb::{
     HandshakeRequest, HandshakeResponse, RdmaConnectRequest, RdmaConnectResponse,
-    SegmentAccessRequest, SegmentAccessResponse,
+    RevokeHoldRequest, RevokeHoldResponse, SegmentAccessRequest, SegmentAccessResponse,
 };
 
 #[derive(Debug, Clone)]
@@ -59,11 +62,32 @@ impl PeerAgent for PeerApi {
     ) -> Result<Response<SegmentAccessResponse>, Status> {
         self.admit(&request.get_ref().fabric)?;
         let req = request.into_inner();
-        let regions = self.node.segment_regions(&req.segment, req.key)?;
-        debug!(peer = %req.agent, segment = %req.segment, "segment access");
+        let (regions, grant) = self
+            .node
+            .segment_access(&req.agent, &req.segment, req.key)?;
+        debug!(peer = %req.agent, segment = %req.segment, hold = grant.is_some(), "segment access");
         let regions_json = serde_json::to_string(&regions)
             .map_err(|e| Status::internal(format!("regions: {e}")))?;
-        Ok(Response::new(SegmentAccessResponse { regions_json }))
+        Ok(Response::new(SegmentAccessResponse {
+            regions_json,
+            grant: grant.map(|(g, left)| holds::to_wire(&g, left)),
+        }))
+    }
+
+    async fn revoke_hold(
+        &self,
+        request: Request<RevokeHoldRequest>,
+    ) -> Result<Response<RevokeHoldResponse>, Status> {
+        self.admit(&request.get_ref().fabric)?;
+        let req = request.into_inner();
+        debug!(peer = %req.agent, segment = %req.segment, "revoke hold");
+        // The caller's own deadline (grpc-timeout) ends the call too; this bounds the wait
+        // when it sent none.
+        let wait = Duration::from_millis(req.wait_ms.min(MAX_HOLD_TTL_MS));
+        self.node
+            .revoke_grant(&req.segment, req.hold_key, wait)
+            .await?;
+        Ok(Response::new(RevokeHoldResponse {}))
     }
 
     async fn rdma_connect(

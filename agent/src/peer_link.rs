@@ -12,11 +12,15 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request};
 
 use crate::error::{Error, Result};
+use crate::holds::Grant;
 use crate::peer_tls::PeerTls;
 use crate::peer_token::PeerToken;
 use crate::registry::AgentEntry;
+use kvfabric_proto::limits::MAX_PEER_RESPONSE_BYTES;
 use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
-use kvfabric_proto::pb::{HandshakeRequest, RdmaConnectRequest, SegmentAccessRequest};
+use kvfabric_proto::pb::{
+    HandshakeRequest, RdmaConnectRequest, RevokeHoldRequest, SegmentAccessRequest,
+};
 
 fn failure(agent: &AgentEntry, reason: String) -> Error {
     Error::PeerAgent {
@@ -31,11 +35,21 @@ async fn dial(
     timeout: Duration,
     tls: Option<&PeerTls>,
 ) -> Result<PeerAgentClient<Channel>> {
+    dial_for(agent, timeout, timeout, tls).await
+}
+
+/// `dial`, with calls allowed `answer` (a revocation waits for the peer's batches).
+async fn dial_for(
+    agent: &AgentEntry,
+    timeout: Duration,
+    answer: Duration,
+    tls: Option<&PeerTls>,
+) -> Result<PeerAgentClient<Channel>> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut endpoint = Endpoint::from_shared(format!("{scheme}://{}", agent.peer_addr))
         .map_err(|e| failure(agent, e.to_string()))?
         .connect_timeout(timeout)
-        .timeout(timeout);
+        .timeout(answer);
     if let Some(tls) = tls {
         endpoint = endpoint
             .tls_config(tls.client())
@@ -104,15 +118,18 @@ impl Caller {
         Ok((descriptor, secret))
     }
 
-    /// The regions of `segment` at `agent`, for the segment's `key`.
+    /// The regions of `segment` at `agent`, for the segment's `key`, or for a hold's key with
+    /// the hold's grant and its time left.
     pub async fn segment_access(
         &self,
         agent: &AgentEntry,
         segment: &str,
         key: u64,
-    ) -> Result<Vec<RegionDesc>> {
+    ) -> Result<(Vec<RegionDesc>, Option<(Grant, Duration)>)> {
         let reply = dial(agent, self.timeout, self.tls.as_deref())
             .await?
+            // A grant of 2^20 block ids is up to 10 MiB.
+            .max_decoding_message_size(MAX_PEER_RESPONSE_BYTES)
             .segment_access(self.request(SegmentAccessRequest {
                 fabric: self.fabric.clone(),
                 agent: self.me.clone(),
@@ -135,8 +152,44 @@ impl Caller {
                 _ => failure(agent, format!("segment access: {}", s.message())),
             })?
             .into_inner();
-        serde_json::from_str(&reply.regions_json)
-            .map_err(|e| failure(agent, format!("segment access: regions: {e}")))
+        let regions = serde_json::from_str(&reply.regions_json)
+            .map_err(|e| failure(agent, format!("segment access: regions: {e}")))?;
+        let grant = reply
+            .grant
+            .map(crate::holds::from_wire)
+            .transpose()
+            .map_err(|e| failure(agent, format!("segment access: grant: {e}")))?;
+        Ok((regions, grant))
+    }
+
+    /// Asks `agent` to drop its grant of hold `hold_key` on `segment` and to answer once its
+    /// batches under it can no longer land; at most `wait`.
+    pub async fn revoke_hold(
+        &self,
+        agent: &AgentEntry,
+        segment: &str,
+        hold_key: u64,
+        wait: Duration,
+    ) -> Result<()> {
+        let mut request = self.request(RevokeHoldRequest {
+            fabric: self.fabric.clone(),
+            agent: self.me.clone(),
+            segment: segment.into(),
+            hold_key,
+            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+        });
+        request.set_timeout(wait);
+        dial_for(agent, self.timeout.min(wait), wait, self.tls.as_deref())
+            .await?
+            .revoke_hold(request)
+            .await
+            .map_err(|s| {
+                failure(
+                    agent,
+                    format!("revoke hold: {:?}: {}", s.code(), s.message()),
+                )
+            })?;
+        Ok(())
     }
 
     /// Sends an rdma connection offer to `agent` and returns its answer.

@@ -18,7 +18,7 @@ use kvfabric_engine::{
     Engine, EngineConfig, RdmaConfig, ServeObserver, ServedChunk, TransportKind,
 };
 use kvfabric_proto::contract::socket;
-use kvfabric_proto::limits::{MAX_PEER_REQUEST_BYTES, max_submit_bytes};
+use kvfabric_proto::limits::{MAX_CREATE_HOLD_BYTES, MAX_PEER_REQUEST_BYTES, max_submit_bytes};
 use kvfabric_proto::pb::local_agent_server::LocalAgentServer;
 use kvfabric_proto::pb::peer_agent_server::PeerAgentServer;
 use tokio::net::{TcpListener, UnixListener};
@@ -129,6 +129,7 @@ pub struct Agent {
     data_stop: watch::Sender<bool>,
     api_tasks: Vec<JoinHandle<std::result::Result<(), tonic::transport::Error>>>,
     fd_task: JoinHandle<()>,
+    sweep_task: JoinHandle<()>,
     data_tasks: Vec<JoinHandle<kvfabric_engine::Result<()>>>,
     metrics_task: JoinHandle<std::io::Result<()>>,
     /// When the data plane last served a chunk to a peer.
@@ -182,6 +183,7 @@ pub use crate::incoming::{MAX_LOCAL_CONNECTIONS, MAX_PEER_CONNECTIONS};
 /// Largest request of a local API method other than Submit (a registration of many regions).
 pub const MAX_LOCAL_REQUEST_BYTES: usize = 1 << 20;
 const SUBMIT_METHOD: &str = "/kvfabric.v1.LocalAgent/Submit";
+const CREATE_HOLD_METHOD: &str = "/kvfabric.v1.LocalAgent/CreateHold";
 
 /// A gRPC server with the agent's connection settings: dead peers are noticed by keepalives,
 /// and every request has a deadline.
@@ -318,7 +320,7 @@ impl Agent {
         let readiness = Readiness::new(health).await;
         let submit_limit = max_submit_bytes(config.max_batch_ops);
         let local_svc = LocalAgentServer::new(LocalApi { node: node.clone() })
-            .max_decoding_message_size(submit_limit);
+            .max_decoding_message_size(submit_limit.max(MAX_CREATE_HOLD_BYTES));
         // The token is checked on the headers, before the body is read; a call that passes
         // marks its connection authenticated, which the peer port's accept loop never sheds.
         let peer_svc = InterceptedService::new(
@@ -330,12 +332,10 @@ impl Agent {
         let api_tasks = vec![
             tokio::spawn(
                 grpc_server()
-                    .layer(message_limit::layer(move |method| {
-                        if method == SUBMIT_METHOD {
-                            submit_limit
-                        } else {
-                            MAX_LOCAL_REQUEST_BYTES
-                        }
+                    .layer(message_limit::layer(move |method| match method {
+                        SUBMIT_METHOD => submit_limit,
+                        CREATE_HOLD_METHOD => MAX_CREATE_HOLD_BYTES,
+                        _ => MAX_LOCAL_REQUEST_BYTES,
                     }))
                     .add_service(health_svc.clone())
                     .add_service(local_svc)
@@ -375,6 +375,21 @@ impl Agent {
             .with_graceful_shutdown(stopped(data_rx.clone()))
             .into_future(),
         );
+        // Holds end at their expiry even when nothing else touches them: the table (and the
+        // grants this agent keeps) stay bounded, and the metrics count them.
+        let sweep_task = tokio::spawn({
+            let (node, stop) = (node.clone(), stopped(api_rx.clone()));
+            async move {
+                tokio::pin!(stop);
+                let mut every = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    tokio::select! {
+                        _ = every.tick() => node.sweep_holds(),
+                        () = &mut stop => return,
+                    }
+                }
+            }
+        });
         let fd_task = tokio::spawn(crate::fd_socket::serve(
             listeners.fd,
             node.clone(),
@@ -423,6 +438,7 @@ impl Agent {
             data_stop,
             api_tasks,
             fd_task,
+            sweep_task,
             data_tasks,
             metrics_task,
             served,
@@ -464,6 +480,7 @@ impl Agent {
                 let _ = t.await;
             }
             let _ = self.fd_task.await;
+            let _ = self.sweep_task.await;
             node.release_all().await;
         };
         if tokio::time::timeout(grace, drain).await.is_err() {

@@ -15,6 +15,11 @@
 //!     .await?;
 //! # Ok(()) }
 //! ```
+//!
+//! A prefill worker hands a decode worker one request's blocks rather than its segment's key:
+//! [`Client::create_hold`] grants reads of some blocks for a while, the decode presents the
+//! hold's key as the remote key of its batches, and [`Client::end_hold`] returns once no read
+//! under it can land.
 
 mod error;
 mod fd;
@@ -30,7 +35,7 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use kvfabric_proto::contract::socket;
-use kvfabric_proto::limits::{MAX_LOCAL_RESPONSE_BYTES, max_submit_bytes};
+use kvfabric_proto::limits::{MAX_CREATE_HOLD_BYTES, MAX_LOCAL_RESPONSE_BYTES, max_submit_bytes};
 use kvfabric_proto::pb::local_agent_client::LocalAgentClient;
 use kvfabric_proto::pb::{
     CudaMemory, DeregisterSegmentRequest, HostMemory as PbHost, RegionSpec, RegisterSegmentRequest,
@@ -130,6 +135,35 @@ impl From<&BlockTable> for pb::BlockTable {
     }
 }
 
+/// A plane of a hold: block `i` is `block_bytes` at `base + i × stride` of the segment's
+/// region `region` (an index), as a reader's block table names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldPlane {
+    pub region: u32,
+    pub base: u64,
+    pub stride: u64,
+    pub block_bytes: u64,
+}
+
+/// A hold the agent granted: the key to hand to the one reader it is for (presented as the
+/// `remote_key` of its batches), and how long it lives unless extended or ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    pub key: u64,
+    pub expires_in: Duration,
+}
+
+fn millis(field: &'static str, d: Duration) -> Result<u64> {
+    match u64::try_from(d.as_millis()) {
+        Ok(ms) if ms > 0 => Ok(ms),
+        _ => Err(Error::Invalid {
+            field,
+            value: format!("{d:?}"),
+            reason: "a whole number of milliseconds, at least 1".into(),
+        }),
+    }
+}
+
 /// Options of one submitted batch.
 #[derive(Debug, Clone, Default)]
 pub struct SubmitOptions {
@@ -167,7 +201,9 @@ impl Client {
         Ok(Client {
             grpc: LocalAgentClient::new(channel)
                 .max_decoding_message_size(MAX_LOCAL_RESPONSE_BYTES)
-                .max_encoding_message_size(max_submit_bytes(usize::from(u16::MAX) + 1)),
+                .max_encoding_message_size(
+                    max_submit_bytes(usize::from(u16::MAX) + 1).max(MAX_CREATE_HOLD_BYTES),
+                ),
             socket_dir,
         })
     }
@@ -404,6 +440,101 @@ impl Client {
         }
         .instrument(span)
         .await
+    }
+
+    /// Grants reads of `block_ids` of every plane of `segment` (registered through this agent)
+    /// for `ttl` (1 ms to 1 h): the returned key, handed to one reader, reads those blocks and
+    /// nothing else until the hold expires or is ended. Blocks are checked against their
+    /// regions (`InvalidArgument` naming the field); `NotFound` when the segment is registered
+    /// with another agent (holds are made where the memory is); `ResourceExhausted` past the
+    /// agent's number of holds.
+    pub async fn create_hold(
+        &self,
+        segment: &Segment,
+        planes: &[HoldPlane],
+        block_ids: &[u64],
+        ttl: Duration,
+    ) -> Result<Hold> {
+        let reply = self
+            .grpc
+            .clone()
+            .create_hold(pb::CreateHoldRequest {
+                segment: segment.name.clone(),
+                key: segment.key,
+                planes: planes
+                    .iter()
+                    .map(|p| pb::HoldPlane {
+                        region: p.region,
+                        base: p.base,
+                        stride: p.stride,
+                        block_bytes: p.block_bytes,
+                    })
+                    .collect(),
+                block_ids: block_ids.to_vec(),
+                ttl_ms: millis("ttl", ttl)?,
+            })
+            .await
+            .map_err(|s| self.rpc_error("CreateHold", s))?
+            .into_inner();
+        Ok(Hold {
+            key: reply.hold_key,
+            expires_in: Duration::from_millis(reply.expires_in_ms),
+        })
+    }
+
+    /// Moves a live hold's expiry to `ttl` from now (never earlier than it was); returns the
+    /// time it now has. `NotFound` once it has ended or expired.
+    pub async fn extend_hold(
+        &self,
+        segment: &Segment,
+        hold_key: u64,
+        ttl: Duration,
+    ) -> Result<Duration> {
+        let reply = self
+            .grpc
+            .clone()
+            .extend_hold(pb::ExtendHoldRequest {
+                segment: segment.name.clone(),
+                key: segment.key,
+                hold_key,
+                ttl_ms: millis("ttl", ttl)?,
+            })
+            .await
+            .map_err(|s| self.rpc_error("ExtendHold", s))?
+            .into_inner();
+        Ok(Duration::from_millis(reply.expires_in_ms))
+    }
+
+    /// Ends a hold; returns once no read under it can still land (the agent's default wait
+    /// of 5 s for the readers' agents). See [`Client::end_hold_within`].
+    pub async fn end_hold(&self, segment: &Segment, hold_key: u64) -> Result<()> {
+        self.end_hold_within(segment, hold_key, None).await
+    }
+
+    /// Ends a hold, waiting up to `timeout` for the agents it was handed to. `DeadlineExceeded`
+    /// when one did not confirm in time: the message says how long the hold still lives; do
+    /// not reuse its blocks before then (or call again). A hold that already ended or expired
+    /// is no error.
+    pub async fn end_hold_within(
+        &self,
+        segment: &Segment,
+        hold_key: u64,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        self.grpc
+            .clone()
+            .end_hold(pb::EndHoldRequest {
+                segment: segment.name.clone(),
+                key: segment.key,
+                hold_key,
+                timeout_ms: timeout
+                    .map(|t| millis("timeout", t))
+                    .transpose()?
+                    .unwrap_or(0),
+            })
+            .await
+            .map_err(|s| self.rpc_error("EndHold", s))?;
+        Ok(())
     }
 
     /// The raw gRPC client, for calls this wrapper does not cover.

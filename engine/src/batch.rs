@@ -50,6 +50,11 @@ pub struct Batch {
     pub remote_key: Option<AccessKey>,
     /// The trace this batch belongs to; tcp carries it to the target with every chunk.
     pub trace: Option<TraceContext>,
+    /// Kept (and dropped) with the batch's job: released only once every piece the transport
+    /// was given is accounted for, which is after the batch's handle answered if it timed out
+    /// or failed. What a caller needs to know for "nothing of this batch can still land" (the
+    /// agent's hold grants: a revocation waits for these) rides here.
+    pub keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Batch {
@@ -68,6 +73,7 @@ impl Batch {
             checksum: false,
             remote_key: None,
             trace: None,
+            keep: None,
         }
     }
     pub fn read(ops: Vec<BlockOp>) -> Self {
@@ -90,6 +96,11 @@ impl Batch {
     }
     pub fn with_remote_key(mut self, key: AccessKey) -> Self {
         self.remote_key = Some(key);
+        self
+    }
+    /// Keeps `value` alive until every piece of the batch is accounted for (see [`Batch::keep`]).
+    pub fn keeping(mut self, value: Arc<dyn std::any::Any + Send + Sync>) -> Self {
+        self.keep = Some(value);
         self
     }
 }
@@ -124,6 +135,8 @@ pub(crate) struct Job {
     done: Mutex<Completion>,
     done_cv: Condvar,
     _leases: Vec<Lease>,
+    /// The batch's [`Batch::keep`]: dropped with the job, after the leases' last use.
+    _keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 /// The batch outcome, waited for either by a blocked thread (condvar) or a task (waker).
@@ -141,6 +154,7 @@ impl Job {
         checksum: bool,
         trace: Option<TraceContext>,
         leases: Vec<Lease>,
+        keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
     ) -> Arc<Job> {
         Arc::new(Job {
             id,
@@ -155,6 +169,7 @@ impl Job {
             done: Mutex::default(),
             done_cv: Condvar::new(),
             _leases: leases,
+            _keep: keep,
         })
     }
 

@@ -101,9 +101,12 @@ pub(crate) struct SideView {
     pub len: u64,
 }
 
-/// Where the last byte of block `max_id` of a plane side ends, or None past 2^64.
-pub(crate) fn plane_end(base: u64, stride: u64, max_id: u32, len: u64) -> Option<u64> {
-    u64::from(max_id)
+/// Where the last byte of block `max_id` of a plane side ends, or None past 2^64. The one
+/// bounds formula for planes: tables (both ends and the target), the GPU's table lists, and the
+/// agent's holds (whose block ids are u64) all use it.
+pub fn plane_end(base: u64, stride: u64, max_id: impl Into<u64>, len: u64) -> Option<u64> {
+    max_id
+        .into()
         .checked_mul(stride)?
         .checked_add(base)?
         .checked_add(len)

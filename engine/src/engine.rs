@@ -671,6 +671,7 @@ impl Peer {
             checksum,
             remote_key,
             trace,
+            keep,
         } = batch;
         let (planned, locals, elements, bytes) = match ops {
             BatchOps::List(ops) => {
@@ -686,7 +687,7 @@ impl Peer {
         };
         let leases: Vec<Lease> = locals.iter().map(|r| r.lease()).collect();
         let id = self.inner.next_batch.fetch_add(1, Ordering::Relaxed);
-        let job = Job::new(id, opcode, checksum, trace, leases);
+        let job = Job::new(id, opcode, checksum, trace, leases, keep);
         let coalesced = match &planned {
             Planned::Pieces(p) => p.len(),
             // Expanded (and coalesced) by the transport, if at all.

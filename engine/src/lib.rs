@@ -32,7 +32,7 @@ mod transport_kind;
 
 pub use auth::DataSecret;
 pub use batch::{Batch, BatchHandle, BatchOps, BatchResult, Canceller};
-pub use block_table::{BlockPair, BlockTable, MAX_PLANES, Plane, PlaneSide, TableShape};
+pub use block_table::{BlockPair, BlockTable, MAX_PLANES, Plane, PlaneSide, TableShape, plane_end};
 pub use cuda::{CudaExport, CudaPath, IpcHandle};
 pub use data_tls::DataTls;
 pub use engine::{Engine, EngineConfig, Peer, ServeObserver, ServedChunk};

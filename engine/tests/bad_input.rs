@@ -5,6 +5,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
@@ -754,6 +755,55 @@ async fn a_silent_peer_times_out_and_cancel_works_and_deregister_waits() {
         .unwrap()
         .unwrap()
         .unwrap();
+}
+
+/// What a batch keeps (`Batch::keeping`) outlives its handle's answer while pieces are still on
+/// the wire, and goes once they are accounted for: the agent's hold revocation waits on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_batch_keeps_goes_only_when_no_piece_can_land() {
+    let (d, secret) = fake_target(|mut s| {
+        let mut buf = [0u8; 4096];
+        while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
+    });
+    let me = Engine::new(EngineConfig {
+        tcp_connections: 1,
+        ..config("initiator")
+    })
+    .unwrap();
+    let local = random_region(&me, 1 << 20, 1);
+    let peer = me.connect(&d, &secret, TCP, None).await.unwrap();
+    let kept: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
+    let watch = Arc::downgrade(&kept);
+    let err = peer
+        .submit(
+            Batch::read(vec![op(local.id(), 0, RegionId(1), 0, 4096)])
+                .with_timeout(Duration::from_millis(200))
+                .keeping(kept),
+        )
+        .unwrap()
+        .wait()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        watch.upgrade().is_some(),
+        "released while its piece was still on the wire"
+    );
+    // The connection goes: its pieces fail, and the batch lets go of what it kept.
+    drop(peer);
+    let start = std::time::Instant::now();
+    while watch.upgrade().is_some() {
+        assert!(start.elapsed() < Duration::from_secs(5), "never released");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A batch refused before it starts lets go at once.
+    let peer = me.connect(&d, &secret, TCP, None).await.unwrap();
+    let kept: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
+    let watch = Arc::downgrade(&kept);
+    peer.submit(Batch::read(vec![op(local.id(), 0, RegionId(1), 1 << 20, 1)]).keeping(kept))
+        .unwrap_err();
+    assert!(watch.upgrade().is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,6 +30,26 @@ pub fn max_submit_bytes(max_batch_ops: usize) -> usize {
         .saturating_add(LOCAL_REQUEST_OVERHEAD_BYTES)
 }
 
+/// Most planes one hold may grant (as many as a block table may have).
+pub const MAX_HOLD_PLANES: usize = MAX_TABLE_PLANES;
+
+/// Most block ids one hold may grant.
+pub const MAX_HOLD_BLOCK_IDS: usize = 1 << 20;
+
+/// Longest a hold lives without being extended (ms): one hour.
+pub const MAX_HOLD_TTL_MS: u64 = 3_600_000;
+
+/// Bytes of one encoded hold plane, at most: four fields with tags and varints of up to 10
+/// bytes, plus the repeated field's tag and length.
+pub const MAX_ENCODED_HOLD_PLANE_BYTES: usize = 2 + 4 * 11;
+
+/// Largest `CreateHold` the local API accepts: its most planes and block ids (packed varints
+/// of up to 10 bytes) at their worst encoding, plus names and keys (10.2 MiB). The grant an
+/// agent then hands to a reader's agent fits in [`MAX_PEER_RESPONSE_BYTES`].
+pub const MAX_CREATE_HOLD_BYTES: usize = MAX_HOLD_PLANES * MAX_ENCODED_HOLD_PLANE_BYTES
+    + MAX_HOLD_BLOCK_IDS * 10
+    + LOCAL_REQUEST_OVERHEAD_BYTES;
+
 /// Largest answer a worker accepts from its own agent (a status document of a large fabric).
 pub const MAX_LOCAL_RESPONSE_BYTES: usize = 16 << 20;
 
@@ -63,6 +83,12 @@ mod tests {
     #[test]
     fn the_plane_limit_is_the_engines() {
         assert_eq!(MAX_TABLE_PLANES, kvfabric_engine::MAX_PLANES);
+    }
+
+    #[test]
+    fn a_largest_grant_fits_a_peer_answer() {
+        // The grant: the same planes (region ids as varints) and ids, and the regions' JSON.
+        const { assert!(MAX_CREATE_HOLD_BYTES + (1 << 20) < MAX_PEER_RESPONSE_BYTES) };
     }
 
     #[test]

@@ -253,6 +253,59 @@ class Client:
         ops = block_table(local_planes, remote_planes, local_block_ids, remote_block_ids)
         return await self.submit_async(local, remote, remote_key, ops, write=True, **options)
 
+    def create_hold(
+        self,
+        segment: Segment,
+        planes: Sequence[Plane],
+        block_ids: Any,
+        ttl: float,
+    ) -> int:
+        """Grants reads of blocks ``block_ids`` of every plane (:data:`Plane`, regions indexed
+        in ``segment``) for ``ttl`` seconds (0.001 to 3600), and returns the hold's key.
+
+        Hand the key (not ``segment.key``) to the one reader the blocks are for: it passes it as
+        ``remote_key`` and may then read those blocks of those planes, nothing else (no writes),
+        until the hold expires or :meth:`end_hold` returns. ``segment`` must be registered
+        through this client's agent (``AgentError`` ``NOT_FOUND`` naming the agent that serves
+        it otherwise). A block outside its region raises ``AgentError`` ``INVALID_ARGUMENT``
+        naming the field (``planes[3].stride``); too many holds ``RESOURCE_EXHAUSTED``."""
+        return self._native.create_hold(segment, list(planes), block_ids, ttl)
+
+    async def create_hold_async(
+        self,
+        segment: Segment,
+        planes: Sequence[Plane],
+        block_ids: Any,
+        ttl: float,
+    ) -> int:
+        """:meth:`create_hold`, awaitable."""
+        return await self._native.create_hold_async(segment, list(planes), block_ids, ttl)
+
+    def extend_hold(self, segment: Segment, hold_key: int, ttl: float) -> float:
+        """Moves a live hold's expiry to ``ttl`` seconds from now, never earlier than it was
+        (a reader's agent may keep the grant until then); returns the seconds it now has.
+        ``AgentError`` ``NOT_FOUND`` once it has ended or expired."""
+        return self._native.extend_hold(segment, hold_key, ttl)
+
+    async def extend_hold_async(self, segment: Segment, hold_key: int, ttl: float) -> float:
+        """:meth:`extend_hold`, awaitable."""
+        return await self._native.extend_hold_async(segment, hold_key, ttl)
+
+    def end_hold(self, segment: Segment, hold_key: int, *, timeout: float | None = None) -> None:
+        """Ends a hold; returns once no read under it can land, so its blocks may be reused.
+
+        The agent waits up to ``timeout`` seconds (None: 5) for the readers' agents to drop it.
+        If one does not confirm, ``AgentError`` ``DEADLINE_EXCEEDED`` says how long the hold
+        still lives ("expires in N ms"): do not reuse its blocks before then (or call again).
+        A hold that already ended or expired is no error."""
+        self._native.end_hold(segment, hold_key, timeout)
+
+    async def end_hold_async(
+        self, segment: Segment, hold_key: int, *, timeout: float | None = None
+    ) -> None:
+        """:meth:`end_hold`, awaitable."""
+        await self._native.end_hold_async(segment, hold_key, timeout)
+
     def status(self) -> dict[str, Any]:
         """The agent's status document (agents, segments, connections, registry)."""
         return json.loads(self._native.status_json())

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tonic::metadata::MetadataValue;
 
@@ -17,7 +18,7 @@ use kvfabric_client::pb::{
     DeregisterSegmentRequest, StatusRequest, SubmitRequest, WatchSegmentsRequest, segment_event,
 };
 use kvfabric_client::{Client, Memory};
-pub use kvfabric_client::{CudaRegion as CudaMemory, HostMemory};
+pub use kvfabric_client::{CudaRegion as CudaMemory, Hold, HoldPlane, HostMemory};
 use kvfabric_proto::contract::socket;
 
 use crate::error::{Error, Result};
@@ -81,6 +82,15 @@ impl Work {
 pub struct TraceHeaders {
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
+}
+
+/// The client's view of a segment for calls that name it by name and key.
+fn client_segment((name, key): (String, u64)) -> kvfabric_client::Segment {
+    kvfabric_client::Segment {
+        name,
+        key,
+        regions: Vec::new(),
+    }
 }
 
 /// "put" or "deleted".
@@ -178,6 +188,48 @@ impl Agent {
             .await
             .map_err(|s| Error::agent("Submit", s))?
             .into_inner())
+    }
+
+    /// A hold on `planes` × `block_ids` of the segment (name, key) for `ttl`: its key and the
+    /// time it lives.
+    pub async fn create_hold(
+        &self,
+        segment: (String, u64),
+        planes: Vec<HoldPlane>,
+        block_ids: Vec<u64>,
+        ttl: Duration,
+    ) -> Result<Hold> {
+        self.client
+            .create_hold(&client_segment(segment), &planes, &block_ids, ttl)
+            .await
+            .map_err(|e| Error::from_client("CreateHold", e))
+    }
+
+    /// Moves a live hold's expiry to `ttl` from now (never earlier); the time it now has.
+    pub async fn extend_hold(
+        &self,
+        segment: (String, u64),
+        hold_key: u64,
+        ttl: Duration,
+    ) -> Result<Duration> {
+        self.client
+            .extend_hold(&client_segment(segment), hold_key, ttl)
+            .await
+            .map_err(|e| Error::from_client("ExtendHold", e))
+    }
+
+    /// Ends a hold; returns once no read under it can land (`timeout`: how long the agent
+    /// waits for the readers' agents; None: its default).
+    pub async fn end_hold(
+        &self,
+        segment: (String, u64),
+        hold_key: u64,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        self.client
+            .end_hold_within(&client_segment(segment), hold_key, timeout)
+            .await
+            .map_err(|e| Error::from_client("EndHold", e))
     }
 
     /// The agent's status document, as JSON.

@@ -41,6 +41,11 @@ pub fn indexes(obj: &Bound<'_, PyAny>, field: &str) -> Result<Vec<u64>> {
             "must be a 1-d integer array",
         ));
     }
+    // `numpy.asarray([])` is float64: an empty list has no values to convert, whatever its
+    // dtype, and the agent says what it needs instead.
+    if array.len() == 0 {
+        return Ok(Vec::new());
+    }
     macro_rules! take {
         ($($t:ty),*) => {$(
             if array.dtype().is_equiv_to(&dtype::<$t>(py)) {

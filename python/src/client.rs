@@ -8,7 +8,8 @@ use std::time::Duration;
 use pyo3::prelude::*;
 
 use crate::agent::{
-    Agent, Batch, CudaMemory, EventStream, RegionInfo, Source, SubmitResponse, TraceHeaders, Work,
+    Agent, Batch, CudaMemory, EventStream, HoldPlane, RegionInfo, Source, SubmitResponse,
+    TraceHeaders, Work,
 };
 use crate::batch::{self, Plane};
 use crate::buffer::HostBuffer;
@@ -421,6 +422,82 @@ impl Client {
     }
 }
 
+/// A hold's time to live: positive seconds, at least a millisecond (the agent counts in ms).
+fn hold_ttl(field: &str, ttl: f64) -> Result<Duration> {
+    seconds(field, Some(ttl))?
+        .filter(|t| *t >= Duration::from_millis(1))
+        .ok_or_else(|| Error::invalid(field, ttl, "must be at least 0.001 seconds"))
+}
+
+impl Client {
+    fn create_hold_future(
+        &self,
+        segment: &Segment,
+        planes: Vec<(u32, u64, u64, u64)>,
+        block_ids: &Bound<'_, PyAny>,
+        ttl: f64,
+    ) -> Result<impl Future<Output = Result<u64>> + Send + 'static> {
+        let ttl = hold_ttl("ttl", ttl)?;
+        let ids = batch::indexes(block_ids, "block_ids")?;
+        let planes = planes
+            .into_iter()
+            .map(|(region, base, stride, block_bytes)| HoldPlane {
+                region,
+                base,
+                stride,
+                block_bytes,
+            })
+            .collect();
+        let (agent, deadline) = (self.agent.clone(), self.deadline);
+        let segment = (segment.name.clone(), segment.key);
+        Ok(async move {
+            within(
+                deadline,
+                "CreateHold",
+                agent.create_hold(segment, planes, ids, ttl),
+            )
+            .await
+            .map(|h| h.key)
+        })
+    }
+
+    fn extend_hold_future(
+        &self,
+        segment: &Segment,
+        hold_key: u64,
+        ttl: f64,
+    ) -> Result<impl Future<Output = Result<f64>> + Send + 'static> {
+        let ttl = hold_ttl("ttl", ttl)?;
+        let (agent, deadline) = (self.agent.clone(), self.deadline);
+        let segment = (segment.name.clone(), segment.key);
+        Ok(async move {
+            within(
+                deadline,
+                "ExtendHold",
+                agent.extend_hold(segment, hold_key, ttl),
+            )
+            .await
+            .map(|left| left.as_secs_f64())
+        })
+    }
+
+    fn end_hold_future(
+        &self,
+        segment: &Segment,
+        hold_key: u64,
+        timeout: Option<f64>,
+    ) -> Result<impl Future<Output = Result<()>> + Send + 'static> {
+        let timeout = timeout.map(|t| hold_ttl("timeout", t)).transpose()?;
+        let (agent, deadline) = (self.agent.clone(), self.deadline);
+        // The agent's own wait for the readers' agents, plus the usual allowance.
+        let limit = timeout.unwrap_or(Duration::from_secs(5)) + deadline;
+        let segment = (segment.name.clone(), segment.key);
+        Ok(
+            async move { within(limit, "EndHold", agent.end_hold(segment, hold_key, timeout)).await },
+        )
+    }
+}
+
 #[pymethods]
 impl Client {
     #[new]
@@ -565,6 +642,85 @@ impl Client {
             tracestate,
         };
         let f = self.submit_future(batch, t, trace);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move { Ok(f.await?) })
+    }
+
+    /// Grants reads of `block_ids` of every plane (`(region, base, stride, block_bytes)`) of
+    /// `segment` for `ttl` seconds; returns the hold's key, for the one reader it is for.
+    fn create_hold(
+        &self,
+        py: Python<'_>,
+        segment: &Segment,
+        planes: Vec<(u32, u64, u64, u64)>,
+        block_ids: &Bound<'_, PyAny>,
+        ttl: f64,
+    ) -> Result<u64> {
+        let f = self.create_hold_future(segment, planes, block_ids, ttl)?;
+        wait(py, f)
+    }
+
+    /// `create_hold`, as an awaitable.
+    fn create_hold_async<'py>(
+        &self,
+        py: Python<'py>,
+        segment: &Segment,
+        planes: Vec<(u32, u64, u64, u64)>,
+        block_ids: &Bound<'_, PyAny>,
+        ttl: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let f = self.create_hold_future(segment, planes, block_ids, ttl)?;
+        pyo3_async_runtimes::tokio::future_into_py(py, async move { Ok(f.await?) })
+    }
+
+    /// Moves a live hold's expiry to `ttl` seconds from now (never earlier); returns the
+    /// seconds it now has.
+    fn extend_hold(
+        &self,
+        py: Python<'_>,
+        segment: &Segment,
+        hold_key: u64,
+        ttl: f64,
+    ) -> Result<f64> {
+        let f = self.extend_hold_future(segment, hold_key, ttl)?;
+        wait(py, f)
+    }
+
+    /// `extend_hold`, as an awaitable.
+    fn extend_hold_async<'py>(
+        &self,
+        py: Python<'py>,
+        segment: &Segment,
+        hold_key: u64,
+        ttl: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let f = self.extend_hold_future(segment, hold_key, ttl)?;
+        pyo3_async_runtimes::tokio::future_into_py(py, async move { Ok(f.await?) })
+    }
+
+    /// Ends a hold; returns once no read under it can land. `timeout`: seconds the agent
+    /// waits for the readers' agents (None: its 5 s).
+    #[pyo3(signature = (segment, hold_key, timeout=None))]
+    fn end_hold(
+        &self,
+        py: Python<'_>,
+        segment: &Segment,
+        hold_key: u64,
+        timeout: Option<f64>,
+    ) -> Result<()> {
+        let f = self.end_hold_future(segment, hold_key, timeout)?;
+        wait(py, f)
+    }
+
+    /// `end_hold`, as an awaitable.
+    #[pyo3(signature = (segment, hold_key, timeout=None))]
+    fn end_hold_async<'py>(
+        &self,
+        py: Python<'py>,
+        segment: &Segment,
+        hold_key: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let f = self.end_hold_future(segment, hold_key, timeout)?;
         pyo3_async_runtimes::tokio::future_into_py(py, async move { Ok(f.await?) })
     }
 

@@ -1179,7 +1179,7 @@ mod tests {
     #[test]
     fn table_chunks_cover_every_element_within_the_limits() {
         let mut buf = vec![0u8; 1 << 20];
-        let job = Job::new(1, Opcode::Write, false, None, Vec::new());
+        let job = Job::new(1, Opcode::Write, false, None, Vec::new(), None);
         for (chunk_bytes, lens, blocks) in [
             (64u64 << 10, vec![4096u64; 64], 100u32),
             (64 << 10, vec![1000, 3000, 17], 5000),

@@ -96,6 +96,84 @@ pub struct DeregisterSegmentRequest {
 #[allow(clippy::all)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct DeregisterSegmentResponse {}
+/// A plane of a hold: block i is block_bytes at base + i × stride of region `region` (an
+/// index in the segment), as a reader's block table names it.
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct HoldPlane {
+    #[prost(uint32, tag = "1")]
+    pub region: u32,
+    #[prost(uint64, tag = "2")]
+    pub base: u64,
+    #[prost(uint64, tag = "3")]
+    pub stride: u64,
+    #[prost(uint64, tag = "4")]
+    pub block_bytes: u64,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct CreateHoldRequest {
+    /// A segment registered with this agent, and its key.
+    #[prost(string, tag = "1")]
+    pub segment: ::prost::alloc::string::String,
+    #[prost(fixed64, tag = "2")]
+    pub key: u64,
+    /// At most 4096 planes and 2^20 block ids; every plane's block of every id must lie inside
+    /// its region. A reader's op or table plane must fall inside one block of a plane (same
+    /// region and stride for a table plane) and name only these ids.
+    #[prost(message, repeated, tag = "3")]
+    pub planes: ::prost::alloc::vec::Vec<HoldPlane>,
+    #[prost(uint64, repeated, tag = "4")]
+    pub block_ids: ::prost::alloc::vec::Vec<u64>,
+    /// 1 ms to 1 h.
+    #[prost(uint64, tag = "5")]
+    pub ttl_ms: u64,
+}
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct CreateHoldResponse {
+    /// What a reader presents as Submit's remote_key: random (a CSPRNG), never 0 and never a
+    /// segment's key. Hand it to the one reader the hold is for.
+    #[prost(fixed64, tag = "1")]
+    pub hold_key: u64,
+    #[prost(uint64, tag = "2")]
+    pub expires_in_ms: u64,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ExtendHoldRequest {
+    #[prost(string, tag = "1")]
+    pub segment: ::prost::alloc::string::String,
+    #[prost(fixed64, tag = "2")]
+    pub key: u64,
+    #[prost(fixed64, tag = "3")]
+    pub hold_key: u64,
+    /// 1 ms to 1 h.
+    #[prost(uint64, tag = "4")]
+    pub ttl_ms: u64,
+}
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ExtendHoldResponse {
+    #[prost(uint64, tag = "1")]
+    pub expires_in_ms: u64,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct EndHoldRequest {
+    #[prost(string, tag = "1")]
+    pub segment: ::prost::alloc::string::String,
+    #[prost(fixed64, tag = "2")]
+    pub key: u64,
+    #[prost(fixed64, tag = "3")]
+    pub hold_key: u64,
+    /// How long to wait for the agents granted the hold to confirm; 0: 5 s. At most 1 h.
+    #[prost(uint64, tag = "4")]
+    pub timeout_ms: u64,
+}
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct EndHoldResponse {}
 #[allow(clippy::all)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct BlockOp {
@@ -299,12 +377,62 @@ pub struct SegmentAccessRequest {
     pub key: u64,
 }
 #[allow(clippy::all)]
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct SegmentAccessResponse {
     /// The segment's regions (JSON, a list of kvfabric-engine RegionDesc).
     #[prost(string, tag = "1")]
     pub regions_json: ::prost::alloc::string::String,
+    /// Set when the key presented was a hold's: the only blocks the calling agent may read for
+    /// the worker that presented it, and until when.
+    #[prost(message, optional, tag = "2")]
+    pub grant: ::core::option::Option<HoldGrant>,
 }
+/// What a hold allows, in the serving engine's region ids.
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct HoldGrant {
+    #[prost(message, repeated, tag = "1")]
+    pub planes: ::prost::alloc::vec::Vec<GrantPlane>,
+    /// Sorted, no repeats.
+    #[prost(uint64, repeated, tag = "2")]
+    pub block_ids: ::prost::alloc::vec::Vec<u64>,
+    /// Counted from when the serving agent answered: the caller counts from when it asked.
+    #[prost(uint64, tag = "3")]
+    pub expires_in_ms: u64,
+}
+/// A plane of a grant: block i is block_bytes at base + i × stride of the engine region
+/// region_id.
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct GrantPlane {
+    #[prost(uint64, tag = "1")]
+    pub region_id: u64,
+    #[prost(uint64, tag = "2")]
+    pub base: u64,
+    #[prost(uint64, tag = "3")]
+    pub stride: u64,
+    #[prost(uint64, tag = "4")]
+    pub block_bytes: u64,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct RevokeHoldRequest {
+    #[prost(string, tag = "1")]
+    pub fabric: ::prost::alloc::string::String,
+    /// The calling agent's name: the one that granted the hold.
+    #[prost(string, tag = "2")]
+    pub agent: ::prost::alloc::string::String,
+    #[prost(string, tag = "3")]
+    pub segment: ::prost::alloc::string::String,
+    #[prost(fixed64, tag = "4")]
+    pub hold_key: u64,
+    /// How long the caller waits for the answer.
+    #[prost(uint64, tag = "5")]
+    pub wait_ms: u64,
+}
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct RevokeHoldResponse {}
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct RdmaConnectRequest {
@@ -566,6 +694,91 @@ pub mod local_agent_client {
                 .insert(GrpcMethod::new("kvfabric.v1.LocalAgent", "Status"));
             self.inner.unary(req, path, codec).await
         }
+        /// Grants reads of some blocks of a segment registered with this agent, for a while: the
+        /// answer's hold key, presented as a Submit's remote_key, reads those blocks and nothing
+        /// else, until the hold expires or is ended. Only the segment's owner (its key) creates one.
+        /// NOT_FOUND for a segment not registered with this agent (holds are created at the agent
+        /// that serves the segment); INVALID_ARGUMENT naming the field for a plane or block outside
+        /// its region; RESOURCE_EXHAUSTED past the agent's or the segment's number of live holds.
+        pub async fn create_hold(
+            &mut self,
+            request: impl tonic::IntoRequest<super::CreateHoldRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::CreateHoldResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvfabric.v1.LocalAgent/CreateHold",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvfabric.v1.LocalAgent", "CreateHold"));
+            self.inner.unary(req, path, codec).await
+        }
+        /// Moves a live hold's expiry to ttl_ms from now, never earlier than it was (grants already
+        /// handed out run to the old expiry). NOT_FOUND when the hold has ended or expired.
+        pub async fn extend_hold(
+            &mut self,
+            request: impl tonic::IntoRequest<super::ExtendHoldRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::ExtendHoldResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvfabric.v1.LocalAgent/ExtendHold",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvfabric.v1.LocalAgent", "ExtendHold"));
+            self.inner.unary(req, path, codec).await
+        }
+        /// Ends a hold; answers once no read under it can still land: the hold is gone here, and
+        /// every agent that was granted it dropped its grant and finished its batches under it.
+        /// DEADLINE_EXCEEDED when an agent did not confirm in time: the message says how long the
+        /// hold still has to live; wait that long before reusing its blocks (or call again). A hold
+        /// that is unknown (never issued, expired, ended) is no error: nothing under it can land.
+        pub async fn end_hold(
+            &mut self,
+            request: impl tonic::IntoRequest<super::EndHoldRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::EndHoldResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvfabric.v1.LocalAgent/EndHold",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvfabric.v1.LocalAgent", "EndHold"));
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -621,6 +834,37 @@ pub mod local_agent_server {
             &self,
             request: tonic::Request<super::StatusRequest>,
         ) -> std::result::Result<tonic::Response<super::StatusResponse>, tonic::Status>;
+        /// Grants reads of some blocks of a segment registered with this agent, for a while: the
+        /// answer's hold key, presented as a Submit's remote_key, reads those blocks and nothing
+        /// else, until the hold expires or is ended. Only the segment's owner (its key) creates one.
+        /// NOT_FOUND for a segment not registered with this agent (holds are created at the agent
+        /// that serves the segment); INVALID_ARGUMENT naming the field for a plane or block outside
+        /// its region; RESOURCE_EXHAUSTED past the agent's or the segment's number of live holds.
+        async fn create_hold(
+            &self,
+            request: tonic::Request<super::CreateHoldRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::CreateHoldResponse>,
+            tonic::Status,
+        >;
+        /// Moves a live hold's expiry to ttl_ms from now, never earlier than it was (grants already
+        /// handed out run to the old expiry). NOT_FOUND when the hold has ended or expired.
+        async fn extend_hold(
+            &self,
+            request: tonic::Request<super::ExtendHoldRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::ExtendHoldResponse>,
+            tonic::Status,
+        >;
+        /// Ends a hold; answers once no read under it can still land: the hold is gone here, and
+        /// every agent that was granted it dropped its grant and finished its batches under it.
+        /// DEADLINE_EXCEEDED when an agent did not confirm in time: the message says how long the
+        /// hold still has to live; wait that long before reusing its blocks (or call again). A hold
+        /// that is unknown (never issued, expired, ended) is no error: nothing under it can land.
+        async fn end_hold(
+            &self,
+            request: tonic::Request<super::EndHoldRequest>,
+        ) -> std::result::Result<tonic::Response<super::EndHoldResponse>, tonic::Status>;
     }
     #[derive(Debug)]
     pub struct LocalAgentServer<T> {
@@ -920,6 +1164,141 @@ pub mod local_agent_server {
                     };
                     Box::pin(fut)
                 }
+                "/kvfabric.v1.LocalAgent/CreateHold" => {
+                    #[allow(non_camel_case_types)]
+                    struct CreateHoldSvc<T: LocalAgent>(pub Arc<T>);
+                    impl<
+                        T: LocalAgent,
+                    > tonic::server::UnaryService<super::CreateHoldRequest>
+                    for CreateHoldSvc<T> {
+                        type Response = super::CreateHoldResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::CreateHoldRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as LocalAgent>::create_hold(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = CreateHoldSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvfabric.v1.LocalAgent/ExtendHold" => {
+                    #[allow(non_camel_case_types)]
+                    struct ExtendHoldSvc<T: LocalAgent>(pub Arc<T>);
+                    impl<
+                        T: LocalAgent,
+                    > tonic::server::UnaryService<super::ExtendHoldRequest>
+                    for ExtendHoldSvc<T> {
+                        type Response = super::ExtendHoldResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::ExtendHoldRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as LocalAgent>::extend_hold(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = ExtendHoldSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvfabric.v1.LocalAgent/EndHold" => {
+                    #[allow(non_camel_case_types)]
+                    struct EndHoldSvc<T: LocalAgent>(pub Arc<T>);
+                    impl<
+                        T: LocalAgent,
+                    > tonic::server::UnaryService<super::EndHoldRequest>
+                    for EndHoldSvc<T> {
+                        type Response = super::EndHoldResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::EndHoldRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as LocalAgent>::end_hold(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = EndHoldSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
                 _ => {
                     Box::pin(async move {
                         let mut response = http::Response::new(
@@ -1107,7 +1486,9 @@ pub mod peer_agent_client {
         /// The regions of one segment this agent serves, with what reaching them takes (access keys,
         /// CUDA IPC handles, RDMA keys), for a caller that presents the segment's key. Handshake
         /// answers none of that: an agent learns a segment's regions only for a worker that was given
-        /// its key. PERMISSION_DENIED for a wrong key, NOT_FOUND for a segment not served here.
+        /// its key. PERMISSION_DENIED for a wrong key, NOT_FOUND for a segment not served here. For
+        /// a live hold's key the answer also carries the grant (the blocks it allows, and for how
+        /// long), and the calling agent is recorded as holding it, so ending the hold asks it.
         pub async fn segment_access(
             &mut self,
             request: impl tonic::IntoRequest<super::SegmentAccessRequest>,
@@ -1130,6 +1511,33 @@ pub mod peer_agent_client {
             let mut req = request.into_request();
             req.extensions_mut()
                 .insert(GrpcMethod::new("kvfabric.v1.PeerAgent", "SegmentAccess"));
+            self.inner.unary(req, path, codec).await
+        }
+        /// The segment's agent ends a hold it granted to this agent: the grant is dropped (no batch
+        /// under it starts any more) and the answer comes once this agent's batches under it can no
+        /// longer land, or DEADLINE_EXCEEDED after wait_ms.
+        pub async fn revoke_hold(
+            &mut self,
+            request: impl tonic::IntoRequest<super::RevokeHoldRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RevokeHoldResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvfabric.v1.PeerAgent/RevokeHold",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvfabric.v1.PeerAgent", "RevokeHold"));
             self.inner.unary(req, path, codec).await
         }
     }
@@ -1169,12 +1577,24 @@ pub mod peer_agent_server {
         /// The regions of one segment this agent serves, with what reaching them takes (access keys,
         /// CUDA IPC handles, RDMA keys), for a caller that presents the segment's key. Handshake
         /// answers none of that: an agent learns a segment's regions only for a worker that was given
-        /// its key. PERMISSION_DENIED for a wrong key, NOT_FOUND for a segment not served here.
+        /// its key. PERMISSION_DENIED for a wrong key, NOT_FOUND for a segment not served here. For
+        /// a live hold's key the answer also carries the grant (the blocks it allows, and for how
+        /// long), and the calling agent is recorded as holding it, so ending the hold asks it.
         async fn segment_access(
             &self,
             request: tonic::Request<super::SegmentAccessRequest>,
         ) -> std::result::Result<
             tonic::Response<super::SegmentAccessResponse>,
+            tonic::Status,
+        >;
+        /// The segment's agent ends a hold it granted to this agent: the grant is dropped (no batch
+        /// under it starts any more) and the answer comes once this agent's batches under it can no
+        /// longer land, or DEADLINE_EXCEEDED after wait_ms.
+        async fn revoke_hold(
+            &self,
+            request: tonic::Request<super::RevokeHoldRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RevokeHoldResponse>,
             tonic::Status,
         >;
     }
@@ -1374,6 +1794,51 @@ pub mod peer_agent_server {
                     let inner = self.inner.clone();
                     let fut = async move {
                         let method = SegmentAccessSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvfabric.v1.PeerAgent/RevokeHold" => {
+                    #[allow(non_camel_case_types)]
+                    struct RevokeHoldSvc<T: PeerAgent>(pub Arc<T>);
+                    impl<
+                        T: PeerAgent,
+                    > tonic::server::UnaryService<super::RevokeHoldRequest>
+                    for RevokeHoldSvc<T> {
+                        type Response = super::RevokeHoldResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::RevokeHoldRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as PeerAgent>::revoke_hold(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = RevokeHoldSvc(inner);
                         let codec = tonic_prost::ProstCodec::default();
                         let mut grpc = tonic::server::Grpc::new(codec)
                             .apply_compression_config(
