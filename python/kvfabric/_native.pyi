@@ -38,6 +38,7 @@ class Segment:
     key: int
     regions: list[Region]
     memory: list[Any]
+    def __init__(self, name: str, key: int) -> None: ...
 
 class Ops:
     def __len__(self) -> int: ...

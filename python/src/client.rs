@@ -127,6 +127,18 @@ pub struct Segment {
 
 #[pymethods]
 impl Segment {
+    /// A segment of any process, by name and key, for the calls that need no more (holds on
+    /// it, from a process that did not register it but was given its key).
+    #[new]
+    fn named(name: String, key: u64) -> Segment {
+        Segment {
+            name,
+            key,
+            regions: Vec::new(),
+            memory: Vec::new(),
+        }
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Segment(name={:?}, regions={})",

@@ -53,8 +53,6 @@ def layout(blocks_at: int = 0) -> WorkerLayout:
 
 @pytest.fixture
 def engines(agent):
-    made = []
-
     def engine(
         name: str, slots: int = 4, blocks_at: int = 0, window: int = 0, **extra
     ) -> Scheduler:
@@ -65,13 +63,20 @@ def engines(agent):
         groups = ((0, 0), (1, window)) if window else ((0, 0),)
         info = EngineInfo(name, name, BLOCK, 1, 1, groups, backoff=1 if window else 0)
         s = Scheduler(info, settings, mailbox)
-        s.set_workers({(0, 0): WorkerSegments(f"{name}.pp0.tp0", 0x1234, layout(blocks_at).wire())})
+        # The worker's KV cache, registered with the agent: holds are made on it.
+        kv = client.register(f"{name}.pp0.tp0", [kvfabric.host_array(4 << 20)])
+        segments.append((client, kv))
+        s.set_workers({(0, 0): WorkerSegments(kv.name, kv.key, layout(blocks_at).wire())})
         made.append(s)
         return s
 
+    made: list[Scheduler] = []
+    segments: list = []
     yield engine
     for s in made:
         s.shutdown()
+    for client, kv in segments:
+        client.deregister(kv)
 
 
 def step(s: Scheduler, finished=()):
@@ -127,6 +132,48 @@ def group(n_hits: int, n_new: int, first_id: int = 20, n_null: int = 0) -> list[
             b.set_block_hash(b"h%d" % i)  # any hash: it marks a cached block
         blocks.append(b)
     return blocks
+
+
+def test_a_decode_is_given_a_key_to_the_requests_blocks_only_until_the_hold_ends(engines, agent):
+    """The params carry a hold key, not the worker's segment key: it reads the request's
+    blocks (any part of them), nothing else, and nothing once the hold ended."""
+    p = engines("p")
+    _, params = handed_over(p, blocks=((4, 5, 6, 7),))
+    h = handover_of(params)
+    segment_key = p.local[(0, 0)].kv_key
+    assert h.workers[0].key != segment_key
+    reader = kvfabric.Client(agent.socket_dir)
+    mine = reader.register("reader", [kvfabric.host_array(1 << 20)])
+    try:
+
+        def read(block: int, base: int = 0, size: int = 16384) -> None:
+            plane = [(0, base, 16384, size)]
+            reader.read_blocks(mine, "p.pp0.tp0", h.workers[0].key, [(0, 0, 16384, size)],
+                               plane, [0], [block])  # fmt: skip
+
+        read(5)
+        read(7, base=(1 << 20) + 8192, size=8192)  # the second layer's second head
+        for block in (3, 8, 40):
+            with pytest.raises(kvfabric.AgentError) as e:
+                read(block)
+            assert e.value.code == "PERMISSION_DENIED", e.value
+        # The decode acknowledges; the prefill ends the hold and releases the blocks once no
+        # read under it can land.
+        p.mailbox.inbox[h.slot] = h.nonce
+        until(lambda: step(p, finished={"r1"}).releases == {"r1"})
+        with pytest.raises(kvfabric.AgentError) as e:
+            read(5)
+        assert e.value.code == "PERMISSION_DENIED"
+    finally:
+        reader.deregister(mine)
+
+
+def test_a_request_whose_hold_the_agent_refuses_is_not_handed_over(engines):
+    p = engines("p")
+    # Blocks past the worker's memory: the agent refuses the hold.
+    assert handed_over(p, blocks=((4, 5, 1 << 20),)) == (False, None)
+    assert p.get_stats().data["holds_refused"] == 1
+    assert not p.holds and handed_over(p)[0]
 
 
 def alloc(n_hits: int, n_new: int, first_id: int = 20) -> KVCacheBlocks:
@@ -196,7 +243,9 @@ def test_a_request_aborted_while_queued_acknowledges_without_a_load(engines):
     # finished there.
     assert step(p).releases == set()
     assert int(p.mailbox.state[slot]) == 0
-    assert step(p, finished={"r1"}).releases == {"r1"}
+    # Released once the agent confirmed no read under the request's hold can land.
+    step(p, finished={"r1"})
+    until(lambda: step(p).releases == {"r1"})
     assert p.get_stats().data["acked"] == 1
 
 

@@ -88,6 +88,23 @@ class LayerLayout:
             return sum(n for _, n in self.parts)
         return (self.heads[1] - self.heads[0]) * self.tokens * self.kernels * self.cell
 
+    def span(self) -> int:
+        """Bytes from a scheduler block's start (``base + b * stride``) to past its last byte
+        of this layer."""
+        if self.heads is None:
+            return max(off + n for off, n in self.parts)
+        return (
+            (self.kernels - 1) * self.block_stride
+            + (self.heads[1] - self.heads[0] - 1) * self.head_stride
+            + (self.tokens - 1) * self.token_stride
+            + self.cell
+        )
+
+    @property
+    def stride(self) -> int:
+        """Bytes from one scheduler block of the layer to the next (what its planes step by)."""
+        return self.block_stride if self.heads is None else self.logical_stride
+
     def wire(self) -> list[Any]:
         if self.heads is None:
             return [self.name, self.group, self.dtype, self.region, self.base, self.block_stride,
@@ -114,6 +131,23 @@ class WorkerLayout:
 
     def block_bytes(self) -> int:
         return sum(layer.block_bytes() for layer in self.layers)
+
+    def block_planes(self) -> list[tuple[int, int, int, int]]:
+        """Every byte of a scheduler block, over all layers, as few planes as cover it: each
+        layer's span, merged where layers touch or overlap (layers of a block kept together;
+        hybrid groups sharing one tensor). What a hold on one request's blocks grants: any
+        plane a reader's block table names lies within one of these."""
+        spans = sorted((x.region, x.stride, x.base, x.base + x.span()) for x in self.layers)
+        out: list[list[int]] = []
+        for region, stride, lo, hi in spans:
+            last = out[-1] if out else None
+            # Never wider than a block: the plane would reach into the next block's bytes.
+            fits = max(last[3], hi) - last[2] <= stride if last else False
+            if last and (last[0], last[1]) == (region, stride) and lo <= last[3] and fits:
+                last[3] = max(last[3], hi)
+            else:
+                out.append([region, stride, lo, hi])
+        return [(r, lo, stride, hi - lo) for r, stride, lo, hi in out]
 
 
 def fingerprint(wire: Any) -> str:

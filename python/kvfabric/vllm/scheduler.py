@@ -20,10 +20,12 @@ import dataclasses
 import logging
 import secrets
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, KvfabricError
+from .grants import END_MARGIN_S, Grants
 from .layout import WorkerLayout, worker_from_wire
 from .mailbox import Mailbox
 from .metadata import KVFabricMetadata, Load, WorkerSegments
@@ -42,6 +44,14 @@ log = logging.getLogger("vllm.kvfabric")
 # catches the rest: a clock between instances can be off by this much without recomputes).
 EXPIRY_MARGIN_S = 0.5
 MAX_LOGGED_REASONS = 256
+
+
+def _free_at(ending: Future[float], expiry: float) -> float:
+    """When the blocks of an ended hold may be reused (grants.Grants.end)."""
+    try:
+        return ending.result(0)
+    except Exception:  # noqa: BLE001 - the holds' expiry bounds every read anyway
+        return expiry + END_MARGIN_S
 
 
 def _window_start(computed: int, window: int) -> int:
@@ -70,12 +80,19 @@ class EngineInfo:
 
 @dataclass
 class _Hold:
+    """A request of this prefill whose blocks a decode may read: its mailbox slot and nonce,
+    the agent holds' keys (grants.py), and where it is in its life: ended (the state word
+    cleared, the agent holds ending), released (no read can land: vLLM may free the blocks),
+    reported to vLLM."""
+
     slot: int
     nonce: int
+    keys: list[int]
     started: float
     expiry: float
     renewals: int = 0
     announced: bool = False
+    ending: Future[float] | None = None
     released: bool = False
     reported: bool = False
 
@@ -119,6 +136,7 @@ class Scheduler:
         self.plans: dict[str, Incompatible | None] = {}
         self.logged: set[tuple[str, str]] = set()
         self.stats = KVFabricStats()
+        self.grants = Grants(mailbox.client, mailbox.loop, settings)
 
     # -- start -----------------------------------------------------------------------------
 
@@ -131,9 +149,12 @@ class Scheduler:
         self.local_layouts = [
             worker_from_wire(w.layout, f"worker[{k}]") for k, w in self.local.items()
         ]
+        self.grants.set_workers([(w.kv, w.kv_key) for w in self.local.values()], self.local_layouts)
 
-    def _workers_wire(self) -> tuple[list[Any], list[Any]]:
-        segs = [Segment(w.kv, w.kv_key).wire() for w in self.local.values()]
+    def _workers_wire(self, keys: list[int]) -> tuple[list[Any], list[Any]]:
+        """The workers' segments with the request's hold keys (never the segments' own keys),
+        and their layouts."""
+        segs = [Segment(w.kv, k).wire() for w, k in zip(self.local.values(), keys, strict=True)]
         return segs, [w.layout for w in self.local.values()]
 
     # -- decode side -----------------------------------------------------------------------
@@ -391,15 +412,26 @@ class Scheduler:
                 request.request_id,
             )
             return False, None
+        null = self.info.null_block
+        lease_s = self.settings.lease_s
+        ids = sorted({b for g in groups for b in g if b != null})
+        try:
+            keys = self.grants.create(ids, lease_s)
+        except (KvfabricError, TimeoutError) as e:
+            self.stats.count("holds_refused")
+            log.warning(
+                "kvfabric: the agent refused a hold on %s's blocks; not handed over: %s",
+                request.request_id,
+                e,
+            )
+            return False, None
         slot = self.free_slots.pop()
         nonce = secrets.randbits(63) | 1
         now = time.monotonic()
-        lease_s = self.settings.lease_s
-        self.holds[request.request_id] = _Hold(slot, nonce, now, now + lease_s)
+        self.holds[request.request_id] = _Hold(slot, nonce, keys, now, now + lease_s)
         self.by_slot[slot] = request.request_id
         self.mailbox.hold(slot, nonce)
-        null = self.info.null_block
-        workers, layouts = self._workers_wire()
+        workers, layouts = self._workers_wire(keys)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -428,16 +460,18 @@ class Scheduler:
         }
 
     def _check_holds(self, finished: set[str], now: float) -> None:
-        """Acknowledged, renewed and expired holds; a hold ends (its state word cleared) at
-        once, and its blocks are released once vLLM has told the workers the request
-        finished."""
+        """Acknowledged, renewed and expired holds. A hold ends at once (its state word
+        cleared, its agent holds ending); its blocks are released once the agents confirmed
+        no read under it can land (or its expiry passed) and vLLM has told the workers the
+        request finished."""
         cap = self.settings.max_hold_s
+        lease_s = self.settings.lease_s
         for req_id, hold in self.holds.items():
             if hold.reported:
                 continue
             if req_id in finished:
                 hold.announced = True
-            if not hold.released:
+            if hold.ending is None:
                 if self.mailbox.acked(hold.slot, hold.nonce):
                     self.stats.count("acked")
                     self._end(hold)
@@ -445,17 +479,23 @@ class Scheduler:
                     n = self.mailbox.renewal(hold.slot, hold.nonce)
                     if n > hold.renewals:
                         hold.renewals = n
-                        hold.expiry = min(now + self.settings.lease_s, hold.started + cap)
+                        expiry = min(now + lease_s, hold.started + cap)
+                        if expiry > hold.expiry:
+                            self.grants.extend(hold.keys, expiry - now)
+                            hold.expiry = expiry
                     if now >= hold.expiry:
                         self.stats.count("lease_expired")
                         log.info("kvfabric: lease of %s ran out; its blocks are freed", req_id)
                         self._end(hold)
+            if hold.ending is not None and not hold.released and hold.ending.done():
+                hold.released = now >= _free_at(hold.ending, hold.expiry)
             if hold.released and hold.announced:
                 self.releases.add(req_id)
 
     def _end(self, hold: _Hold) -> None:
+        # The state word first: a pull that checks it from now on is not used.
         self.mailbox.release(hold.slot)
-        hold.released = True
+        hold.ending = self.grants.end(hold.keys, hold.expiry)
 
     # -- every step ------------------------------------------------------------------------
 
