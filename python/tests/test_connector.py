@@ -25,6 +25,8 @@ from kvfabric.vllm.settings import Settings  # noqa: E402
 FULL = FullAttentionSpec(32, num_kv_heads=2, head_size=32, dtype=torch.float32)
 WINDOW = SlidingWindowSpec(32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
 MAMBA = MambaSpec(32, shapes=((4, 8),), dtypes=(torch.float32,))
+# vLLM's default Mamba cache mode ("none"): one state block as large as the longest request.
+MAMBA_NONE = MambaSpec(8192, shapes=((4, 8),), dtypes=(torch.float32,))
 
 
 def config(dp: int = 1, dp_rank: int = 0, dcp: int = 1, pcp: int = 1, engine: str = "e"):
@@ -44,18 +46,20 @@ def kv_config(*specs):
     return SimpleNamespace(kv_cache_groups=groups, transfer_group_ids=tuple(range(len(specs))))
 
 
-def test_full_attention_and_sliding_window_groups_are_moved():
-    got = _groups(config(), kv_config(FULL, WINDOW))
+def test_full_attention_sliding_window_and_state_groups_are_moved():
+    got = _groups(config(), kv_config(FULL, WINDOW, MAMBA))
     assert [(g, type(s).__name__) for g, s in got] == [
         (0, "FullAttentionSpec"),
         (1, "SlidingWindowSpec"),
+        (2, "MambaSpec"),
     ]
+    assert [g for g, _ in _groups(config(), kv_config(MAMBA_NONE))] == [0]
 
 
 @pytest.mark.parametrize(
     ("specs", "cfg", "says"),
     [
-        ((FULL, MAMBA), config(), "MambaSpec"),
+        ((FULL, MAMBA_NONE), config(), "several block sizes"),
         ((FULL,), config(dcp=2), "context-parallel"),
         ((FULL,), config(pcp=2), "context-parallel"),
     ],

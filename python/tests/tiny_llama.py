@@ -60,5 +60,38 @@ def write(
     return path
 
 
+def write_mamba2(path: str | Path, seed: int = 0, layers: int = 2) -> Path:
+    """A tiny random-weight Mamba2 (no attention: each request's KV is one state block per
+    layer, vLLM's MambaSpec)."""
+    import torch
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    config = Mamba2Config(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=layers,
+        state_size=16,
+        num_heads=8,
+        head_dim=32,
+        expand=2,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    model = Mamba2ForCausalLM(config).to(torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    return path
+
+
 if __name__ == "__main__":
     write(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)

@@ -31,7 +31,7 @@ from ..errors import Unsupported
 from .layout import LayerSpec, kv_heads_of_rank
 from .mailbox import Mailbox
 from .metadata import KVFabricMetadata, WorkerSegments
-from .scheduler import EngineInfo, Scheduler
+from .scheduler import STATE, EngineInfo, Scheduler
 from .settings import Settings
 from .stats import KVFabricPromMetrics, KVFabricStats
 from .worker import Worker, WorkerInfo
@@ -56,7 +56,7 @@ def _prefix(vllm_config: VllmConfig, settings: Settings) -> str:
 
 def _groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[tuple[int, Any]]:
     """The transfer groups and their specs; Unsupported for what the connector cannot move."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     parallel = vllm_config.parallel_config
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
@@ -67,16 +67,55 @@ def _groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[tup
     out = []
     for g in kv_cache_config.transfer_group_ids:
         spec = kv_cache_config.kv_cache_groups[g].kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec):
+        if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec | MambaSpec):
             raise Unsupported(
                 f"KVFabricConnector does not move {type(spec).__name__} KV cache groups "
-                "(Mamba/linear-attention state, chunked local attention): serve this model "
-                "without the connector, or with NixlConnector"
+                "(chunked local attention): serve this model without the connector, or with "
+                "NixlConnector"
             )
         out.append((g, spec))
     sizes = {spec.block_size for _, spec in out}
     if len(sizes) > 1:
-        raise Unsupported(f"KV cache groups of several block sizes {sorted(sizes)}")
+        raise Unsupported(
+            f"KVFabricConnector does not move KV cache groups of several block sizes "
+            f"{sorted(sizes)} (attention and Mamba state in vLLM's 'none' Mamba cache mode)"
+        )
+    return out
+
+
+def _window(spec: Any) -> int:
+    """A group's window for the scheduler: the sliding window, 0 for full attention, STATE for
+    a Mamba / linear-attention state."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    if isinstance(spec, MambaSpec):
+        return STATE
+    return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
+
+
+def _dtype(spec: Any) -> str:
+    dtypes = getattr(spec, "dtypes", None) or (spec.dtype,)
+    return ",".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def _layer_views(vllm_config: VllmConfig) -> list[Any]:
+    """Every tensor the model's layers hold as their KV cache. A Mamba layer holds views (its
+    conv and SSM states) made from the buffer vLLM hands the connector: when that buffer's
+    storage moves into kvfabric memory, these must move with it, or the model keeps reading
+    and writing the old memory."""
+    import torch
+
+    out: list[Any] = []
+    todo = [
+        getattr(layer, "kv_cache", None)
+        for layer in vllm_config.compilation_config.static_forward_context.values()
+    ]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, list | tuple):
+            todo.extend(x)
     return out
 
 
@@ -117,12 +156,7 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: Scheduler | None = None
         self._worker: Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-            windows = tuple(
-                (g, spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0)
-                for g, spec in groups
-            )
+            windows = tuple((g, _window(spec)) for g, spec in groups)
             info = EngineInfo(
                 engine_id=str(vllm_config.kv_transfer_config.engine_id),
                 prefix=prefix,
@@ -131,7 +165,8 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_size=parallel.pipeline_parallel_size,
                 groups=windows,
                 # A freed sliding-window block would hold a token the decode's recompute of
-                # the last prompt token reads: the prefill leaves that token to the decode.
+                # the last prompt token reads, and a state cannot be rewound to before it: the
+                # prefill leaves that token to the decode.
                 backoff=1 if any(w for _, w in windows) else 0,
             )
             client = kvfabric.Client(settings.socket_dir, timeout=settings.call_timeout_s)
@@ -142,16 +177,23 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
                 get_pp_group,
                 get_tensor_model_parallel_rank,
             )
+            from vllm.v1.kv_cache_interface import MambaSpec
 
             model = vllm_config.model_config
             rank, tp = get_tensor_model_parallel_rank(), parallel.tensor_parallel_size
-            heads = kv_heads_of_rank(model.get_total_num_kv_heads(), rank, tp, model.use_mla)
+            attention = any(not isinstance(spec, MambaSpec) for _, spec in groups)
+            heads = (
+                kv_heads_of_rank(model.get_total_num_kv_heads(), rank, tp, model.use_mla)
+                if attention
+                else None
+            )
             layers = {
                 name: LayerSpec(
                     i,
                     spec.block_size,
-                    heads,
-                    str(spec.dtype).removeprefix("torch."),
+                    # A state has no heads to split: its blocks move whole, rank to rank.
+                    None if isinstance(spec, MambaSpec) else heads,
+                    _dtype(spec),
                     _packed(vllm_config, name),
                 )
                 for i, (g, spec) in enumerate(groups)
@@ -172,7 +214,7 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        self._worker.register_kv_caches(kv_caches, _layer_views(self._vllm_config))
 
     def get_handshake_metadata(self) -> WorkerSegments | None:
         return self._worker.handshake() if self._worker is not None else None

@@ -54,10 +54,16 @@ def _free_at(ending: Future[float], expiry: float) -> float:
         return expiry + END_MARGIN_S
 
 
+# The "window" of a state group (Mamba / linear attention): one state per request, not tokens.
+STATE = -1
+# What a state group's loads span: every position vLLM gave the request a block at.
+ALL_TOKENS = 1 << 62
+
+
 def _window_start(computed: int, window: int) -> int:
     """The first token the next one attends to in a sliding-window group, once ``computed``
     tokens are (vLLM's ``get_num_skipped_tokens``: the blocks before it are freed or null)."""
-    return max(0, computed - window + 1) if window else 0
+    return max(0, computed - window + 1) if window > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,8 @@ class EngineInfo:
     """What the scheduler side needs of vLLM's config, as plain values (connector.py fills
     it): the engine's id and segment prefix, its scheduler block size and parallel sizes, the
     transfer KV cache groups (their index among vLLM's groups and sliding window in tokens, 0
-    for full attention), how many trailing prompt tokens a prefill leaves to the decode, and
-    the id of vLLM's null block."""
+    for full attention, ``STATE`` for a Mamba / linear-attention state), how many trailing
+    prompt tokens a prefill leaves to the decode, and the id of vLLM's null block."""
 
     engine_id: str
     prefix: str
@@ -202,6 +208,13 @@ class Scheduler:
         rb = h.layouts[0].block_size
         n = -(-h.tokens // rb)
         for i, ((_, window), ids) in enumerate(zip(self.info.groups, h.block_ids, strict=True)):
+            if window == STATE:
+                # The request's state: the blocks the prefill named, none of them freed.
+                if not ids or any(b < 0 for b in ids):
+                    return Incompatible(
+                        Reason.INVALID_PARAMS, f"remote_block_ids[{i}]: no state block {ids[:8]}"
+                    )
+                continue
             first = _window_start(h.tokens, window) // rb
             if len(ids) < n or any(b < 0 for b in ids[first:n]):
                 return Incompatible(
@@ -313,7 +326,10 @@ class Scheduler:
                 if b.block_hash is None and not b.is_null:
                     positions.append(i)
                     ids.append(b.block_id)
-            first = _window_start(end, window)
+            if window == STATE:
+                first, end = 0, ALL_TOKENS
+            else:
+                first = _window_start(end, window)
             out.append(GroupBlocks(tuple(positions), tuple(ids), remote, first, end))
         return tuple(out)
 

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,18 +110,21 @@ class Worker:
 
     # -- registration ---------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], views: Sequence[Any] = ()) -> None:
         """The KV cache's regions and layout (layout.worker_layout), then the scratch region,
-        registered as one segment."""
-        by_storage: dict[int, list[Any]] = {}
+        registered as one segment. ``views``: other tensors over the same memory (what the
+        model's layers hold), which move with it."""
+        by_storage: dict[int, dict[int, Any]] = {}
         for t in kv_caches.values():
-            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-        for group in by_storage.values():
+            if t.device.type == "cpu":
+                by_storage.setdefault(t.untyped_storage().data_ptr(), {})[id(t)] = t
+        for t in views:
+            if t.device.type == "cpu" and t.untyped_storage().data_ptr() in by_storage:
+                by_storage[t.untyped_storage().data_ptr()][id(t)] = t
+        for tensors in by_storage.values():
+            group = list(tensors.values())
             t = group[0]
-            if (
-                t.device.type == "cpu"
-                and kvfabric.HostBuffer.containing(t.untyped_storage().data_ptr(), 1) is None
-            ):
+            if kvfabric.HostBuffer.containing(t.untyped_storage().data_ptr(), 1) is None:
                 # vLLM allocated the CPU cache in ordinary memory; the agent can only map
                 # kvfabric's (a memfd), so the storage moves there, in place.
                 kvfabric.move_to_host_buffer(*group)
