@@ -13,8 +13,9 @@ Prefix caching stays at vLLM's default (on); prompts are random, so nothing is a
 
 Tables:
 1. decode-request latency (router has the prefill's answer → decode's first token), p50/p99
-   per prompt length, and whether every prompt's KV was handed over (decode's
-   ``vllm:external_prefix_cache_hits`` grew by the prompt length) or recomputed;
+   per prompt length, and how many prompts' KV was handed over: for kvfabric, a pull the
+   decode logged as done; for NixlConnector, the decode's ``vllm:external_prefix_cache_hits``
+   grew by the prompt length (which vLLM also counts for a load that then fails);
 2. prefill time with each connector against the server with none (the connector's cost on
    compute);
 3. kvfabric's pull inside vLLM (its log line): time and GB/s, against ``kvfabric bench`` moving
@@ -235,6 +236,11 @@ def main() -> None:
                 if name == "kvfabric":
                     ids = [r["id"] for n in args.lengths for r in lat[n]["rows"]]
                     res["pulls"] = kvfabric_pulls(pd["decode"], ids)
+                    # A pull that failed is recomputed, though vLLM counted its tokens as
+                    # external hits when it scheduled the load.
+                    for n in args.lengths:
+                        rows = lat[n]["rows"]
+                        lat[n]["handed"] = sum(r["id"] in res["pulls"] for r in rows)
                 res["load"] = {}
                 for c in args.clients:
                     bar.set_postfix_str(f"{name}: {c} clients")

@@ -100,6 +100,8 @@ class VllmServer:
             HF_HUB_OFFLINE="1",
             OMP_NUM_THREADS="1",
             VLLM_LOGGING_LEVEL="INFO",
+            # Log lines reach the file as they are written: tests and benchmarks read them.
+            PYTHONUNBUFFERED="1",
         )
         env.update(extra_env or {})
         self.proc = subprocess.Popen(
