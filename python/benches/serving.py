@@ -179,9 +179,9 @@ def load(pd, clients: int, seconds: float, n: int = 512) -> dict:
 def kvfabric_pulls(decode: VllmServer, ids: list[str]) -> dict[str, tuple[int, float]]:
     """(bytes, ms) of each kvfabric pull the decode logged, by response id."""
     found = {}
-    for m in re.finditer(
-        r"kvfabric: pulled (\S+)-\S+: (\d+) B from \S+ in ([0-9.]+) ms", decode.log()
-    ):
+    # The engine's request id is the response's id, "-<index>-" and a suffix.
+    line = r"kvfabric: pulled (\S+?)-\d+-[0-9a-f]+: (\d+) B from \S+ in ([0-9.]+) ms"
+    for m in re.finditer(line, decode.log()):
         found[m.group(1)] = (int(m.group(2)), float(m.group(3)))
     return {i: found[i] for i in ids if i in found}
 

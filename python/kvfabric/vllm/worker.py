@@ -156,7 +156,7 @@ class Worker:
             with self.lock:
                 self.sending |= meta.releases
         for req_id, load in meta.loads.items():
-            self.loop.run(self._load(req_id, load))
+            self.loop.run(self._load(req_id, load, time.perf_counter()))
 
     def _plan(self, h: Handover) -> Plan:
         got = self.plans.get(h.layout_id)
@@ -173,9 +173,10 @@ class Worker:
             raise LoadFailed(got.reason.value, str(got))
         return got
 
-    async def _load(self, req_id: str, load: Load) -> None:
+    async def _load(self, req_id: str, load: Load, queued_at: float) -> None:
         h = load.handover
         t0 = time.perf_counter()
+        t_read = t0
         nbytes, reason = 0, ""
         with _Span(
             "kvfabric.connector.load",
@@ -183,6 +184,7 @@ class Worker:
         ) as span:
             try:
                 nbytes = await self._pull(load)
+                t_read = time.perf_counter()
                 await self._check_hold(h)
                 span.set("kvfabric.bytes", nbytes)
             except LoadFailed as e:
@@ -195,19 +197,26 @@ class Worker:
                     e.reason,
                     e,
                 )
-            ms = (time.perf_counter() - t0) * 1e3
+            t1 = time.perf_counter()
+            ms = (t1 - t0) * 1e3
             with self.lock:
                 self.stats.record_load(nbytes, ms, reason)
                 self.done.add(req_id)
                 if reason:
                     self.failed.add(req_id)
             if not reason:
+                # Where the time went: waiting for this loop's thread (the engine's own threads
+                # hold the GIL), the reads, the hold check after them.
                 log.info(
-                    "kvfabric: pulled %s: %d B from %s in %.2f ms (done at %.6f)",
+                    "kvfabric: pulled %s: %d B from %s in %.2f ms (queued %.2f, read %.2f, "
+                    "hold check %.2f; done at %.6f)",
                     req_id,
                     nbytes,
                     h.engine,
                     ms,
+                    (t0 - queued_at) * 1e3,
+                    (t_read - t0) * 1e3,
+                    (t1 - t_read) * 1e3,
                     time.time(),
                 )
 
