@@ -9,6 +9,16 @@ import sys
 from pathlib import Path
 
 
+def _save(model, path: Path) -> Path:
+    """fp32 weights and greedy generation, as vLLM loads them."""
+    import torch
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float32).save_pretrained(path, safe_serialization=True)
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    return path
+
+
 def write(
     path: str | Path,
     seed: int = 0,
@@ -53,11 +63,7 @@ def write(
             else {}
         ),
     )
-    model = LlamaForCausalLM(config).to(torch.float32)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
-    return path
+    return _save(LlamaForCausalLM(config), path)
 
 
 def write_mamba2(path: str | Path, seed: int = 0, layers: int = 2) -> Path:
@@ -86,11 +92,7 @@ def write_mamba2(path: str | Path, seed: int = 0, layers: int = 2) -> Path:
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    model = Mamba2ForCausalLM(config).to(torch.float32)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
-    return path
+    return _save(Mamba2ForCausalLM(config), path)
 
 
 if __name__ == "__main__":
