@@ -107,7 +107,10 @@ struct Status {
     connected: bool,
     last_error: Option<String>,
     reregistrations: u64,
+    /// Full reads after the first (relists).
     resyncs: u64,
+    /// Watches opened again from the last applied revision, without a full read.
+    watch_resumes: u64,
 }
 
 impl fmt::Debug for EtcdRegistry {
@@ -344,6 +347,7 @@ impl Registry for EtcdRegistry {
             lease_ttl_secs: inner.granted_ttl.load(Ordering::Relaxed).max(0) as u64,
             reregistrations: status.reregistrations,
             resyncs: status.resyncs,
+            watch_resumes: status.watch_resumes,
             agents,
             segments,
             last_error: status.last_error.clone(),
