@@ -87,7 +87,13 @@ impl EtcdCluster {
             .prefix("kvfabric-etcd-cluster-")
             .tempdir()
             .map_err(|e| Error::io("create a data directory for the etcd cluster", e))?;
-        let ports = free_port_list(ip, members.saturating_mul(2))?;
+        // In a namespace of its own the address cannot be bound from here, and every port is
+        // free there: any distinct numbers do (taken from loopback here).
+        let probe_ip = match netns {
+            Some(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            None => ip,
+        };
+        let ports = free_port_list(probe_ip, members.saturating_mul(2))?;
         let members: Vec<Member> = ports
             .chunks(2)
             .enumerate()
@@ -190,14 +196,27 @@ impl EtcdCluster {
     }
 
     /// Starts member `name` again with its data (no-op if it runs) and waits until it answers
-    /// on its client port; [`EtcdCluster::leader`] waits for the quorum.
+    /// on its client port. A member serves clients only once it has rejoined, which takes a
+    /// quorum: with most members down, start them together ([`EtcdCluster::start_members`]).
     pub async fn start_again(&mut self, name: &str) -> Result<()> {
-        let i = self.index(name)?;
-        if self.members[i].is_running() {
-            return Ok(());
+        self.start_members(&[name]).await
+    }
+
+    /// [`EtcdCluster::start_again`] for several members at once: all are started, then each
+    /// is waited for.
+    pub async fn start_members(&mut self, names: &[&str]) -> Result<()> {
+        let mut started = Vec::new();
+        for name in names {
+            let i = self.index(name)?;
+            if !self.members[i].is_running() {
+                self.spawn(i)?;
+                started.push(name);
+            }
         }
-        self.spawn(i)?;
-        self.wait_answers(name).await
+        for name in started {
+            self.wait_answers(name).await?;
+        }
+        Ok(())
     }
 
     /// The leader's name once the running members agree on one that runs: one of them reports
