@@ -38,6 +38,15 @@ pub enum Error {
         reason: String,
     },
 
+    /// etcd no longer holds the revisions a read or watch asked for: compaction dropped them.
+    /// Only a read of the current state catches up (the watcher then reads everything again).
+    #[error("etcd at {endpoints} compacted the history {op} needed: {reason}")]
+    RegistryCompacted {
+        op: String,
+        endpoints: String,
+        reason: String,
+    },
+
     /// etcd rejected the username or password.
     #[error("etcd at {endpoints} rejected user {user:?}: {reason}")]
     RegistryAuth {
@@ -132,6 +141,7 @@ impl Error {
             Error::UnknownSegment { .. } | Error::NoSuchSegment { .. } => "unknown_segment",
             Error::RegistryUnavailable { .. } => "registry_unavailable",
             Error::Registry { .. } => "registry",
+            Error::RegistryCompacted { .. } => "registry_compacted",
             Error::RegistryAuth { .. } => "registry_auth",
             Error::SegmentExists { .. } => "segment_exists",
             Error::WrongKey { .. } => "wrong_key",

@@ -107,8 +107,12 @@ impl Inner {
                     )
                 })
                 .collect();
-            let mut kv = self.client.kv_client();
-            self.call(op, kv.txn(Txn::new().and_then(ops))).await?;
+            self.call_retrying(op, || {
+                let mut kv = self.client.kv_client();
+                let txn = Txn::new().and_then(ops.clone());
+                async move { kv.txn(txn).await }
+            })
+            .await?;
         }
         Ok(())
     }
