@@ -424,25 +424,9 @@ impl Inner {
         status.last_error = Some(e.to_string());
     }
 
-    /// One request, bounded by the request timeout, with connection bookkeeping.
-    async fn call<T>(
-        &self,
-        op: &str,
-        request: impl Future<Output = Result<T, etcd_client::Error>>,
-    ) -> Result<T> {
-        let result = match tokio::time::timeout(self.request_timeout, request).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(classify(op, &self.endpoints_str, e)),
-            Err(_) => Err(timed_out(op, &self.endpoints_str, self.request_timeout)),
-        };
-        match &result {
-            Ok(_) => self.ok(),
-            Err(e) => self.failed(e),
-        }
-        result
-    }
-
-    /// One request, made by `request` and tried again while it fails at once as unavailable:
+    /// One request (every etcd request goes through here: bounded by the request timeout, with
+    /// connection bookkeeping), made by `request` and tried again while it fails at once as
+    /// unavailable:
     /// at most once more than there are endpoints (and [`MAX_ATTEMPTS`]), pausing
     /// [`RETRY_PAUSE`] doubling in between, all within one request timeout.
     ///
@@ -452,8 +436,9 @@ impl Inner {
     /// without a leader refuses at once ("no leader"). Another try goes to another member or a
     /// fresh connection. Every request sent this way may be repeated: puts of the same value
     /// under the same lease, deletes conditional on the lease, reads, revokes; a repeated grant
-    /// would leave at worst an empty lease that expires after its TTL. A request that timed out
-    /// is not retried: its time is spent.
+    /// would leave at worst an empty lease that expires after its TTL; opening a keepalive or
+    /// watch stream sends nothing that changes etcd. A request that timed out is not retried:
+    /// its time is spent.
     async fn call_retrying<T, F, Fut>(&self, op: &str, mut request: F) -> Result<T>
     where
         F: FnMut() -> Fut,

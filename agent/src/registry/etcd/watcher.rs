@@ -155,11 +155,11 @@ impl Inner {
         let from = *next;
         let op = format!("watch fabric from revision {from}");
         let options = WatchOptions::new().with_prefix().with_start_revision(from);
-        let mut client = self.client.watch_client();
-        let mut stream = match self
-            .call(&op, client.watch(self.root.clone(), Some(options)))
-            .await
-        {
+        let open = || {
+            let (mut client, options) = (self.client.watch_client(), options.clone());
+            async move { client.watch(self.root.clone(), Some(options)).await }
+        };
+        let mut stream = match self.call_retrying(&op, open).await {
             Ok(stream) => stream,
             Err(e) => return WatchEnd::Broken(e),
         };
