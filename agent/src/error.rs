@@ -38,9 +38,10 @@ pub enum Error {
         reason: String,
     },
 
-    /// etcd no longer holds the revisions a read or watch asked for: compaction dropped them.
-    /// Only a read of the current state catches up (the watcher then reads everything again).
-    #[error("etcd at {endpoints} compacted the history {op} needed: {reason}")]
+    /// etcd no longer holds the revisions a read or watch asked for: compaction dropped them,
+    /// or etcd lost its data (wiped, restored) and counts revisions anew. Only a read of the
+    /// current state catches up (the watcher then reads everything again).
+    #[error("etcd at {endpoints} no longer holds the history {op} needed: {reason}")]
     RegistryCompacted {
         op: String,
         endpoints: String,

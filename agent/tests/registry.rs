@@ -335,6 +335,41 @@ async fn etcd_write_during_a_short_outage_is_published_when_etcd_is_back() {
     eventually("b sees a gone", WAIT, || b.segment("s1").is_none()).await;
 }
 
+/// etcd loses its data (stopped, data directory wiped, started again): it counts revisions from
+/// 1 again, so a watch resumed from where it was would wait for that revision and skip what
+/// comes before. The watcher sees etcd behind its cache and reads everything again, once; a
+/// segment put afterwards reaches it.
+#[tokio::test]
+async fn etcd_wiped_makes_the_watch_read_everything_again() {
+    let Some(mut etcd) = etcd().await else { return };
+    let a = EtcdRegistry::connect(config(&etcd, "f")).await.unwrap();
+    let b = EtcdRegistry::connect(config(&etcd, "f")).await.unwrap();
+    a.register_agent(agent("a")).await.unwrap();
+    // Enough writes that the watch's revision is well past a fresh store's.
+    for i in 0..10 {
+        a.put_segment(segment(&format!("old{i}"), "a"))
+            .await
+            .unwrap();
+    }
+    eventually("b sees a's segments", WAIT, || b.segments().len() == 10).await;
+    etcd.stop().await.unwrap();
+    std::fs::remove_dir_all(etcd.data_dir()).unwrap();
+    etcd.start_again().await.unwrap();
+    eventually("a re-registers in the wiped etcd", WAIT, || {
+        a.state().reregistrations >= 1
+    })
+    .await;
+    a.put_segment(segment("new", "a")).await.unwrap();
+    eventually("b sees the segment put after the wipe", WAIT, || {
+        b.segment("new").is_some() && b.segments().len() == 11
+    })
+    .await;
+    let state = b.state();
+    assert_eq!(state.resyncs, 1, "{state:?}");
+    a.shutdown().await.unwrap();
+    eventually("b sees a gone", WAIT, || b.segments().is_empty()).await;
+}
+
 #[tokio::test]
 async fn etcd_dead_agent_disappears_from_other_caches_after_its_ttl() {
     let Some(etcd) = etcd().await else { return };

@@ -5,9 +5,11 @@
 //! leader (requests ask for one, so such a member cancels the stream rather than go quiet), or
 //! it stayed silent past its deadline — is opened again from the first revision not yet
 //! applied: a *resume*. etcd replays what happened meanwhile; nothing is read twice, however
-//! many agents lose their member at once. Only when etcd has compacted that revision away (it
-//! answers the new watch "compacted") is everything read again, once, and watched from there: a
-//! *relist* (`resyncs`, broadcast as [`Event::Resynced`]).
+//! many agents lose their member at once. Only when etcd no longer has that revision is
+//! everything read again, once, and watched from there: a *relist* (`resyncs`, broadcast as
+//! [`Event::Resynced`]). That is when it compacted the revision away (it answers the new watch
+//! "compacted"), or lost its data (wiped, restored: its revision, read before each resume, is
+//! behind the cache's).
 //!
 //! The revision applied is the last event's, never a response header's: a header carries the
 //! store's revision when it was sent, which in the answer creating a watch, or in one batch of
@@ -96,7 +98,9 @@ impl Inner {
             }
         }
         *self.cache.write() = Cache { agents, segments };
-        self.cache_rev.send_modify(|r| *r = (*r).max(rev));
+        // Exactly the read's revision, even below an earlier one: after etcd lost its history
+        // the revisions start over, and the cache reflects the new ones.
+        self.cache_rev.send_modify(|r| *r = rev);
         Ok(rev)
     }
 
@@ -118,7 +122,7 @@ impl Inner {
                         after_read = true;
                         self.status.lock().resyncs += 1;
                         let _ = self.events.send(Event::Resynced);
-                        tracing::info!(revision = r, "registry read again after a compaction");
+                        tracing::info!(revision = r, "registry read again");
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "registry relist failed; retrying");
@@ -129,7 +133,7 @@ impl Inner {
             }
             match self.watch_from(&mut next, after_read, &mut backoff).await {
                 WatchEnd::Compacted(e) => {
-                    tracing::warn!(error = %e, "registry watch compacted; reading everything again");
+                    tracing::warn!(error = %e, "registry watch cannot resume; reading everything again");
                     relist = true;
                 }
                 WatchEnd::Broken(e) => {
@@ -153,6 +157,9 @@ impl Inner {
         backoff: &mut Backoff,
     ) -> WatchEnd {
         let from = *next;
+        if !after_read && let Err(end) = self.history_kept(from.saturating_sub(1)).await {
+            return end;
+        }
         let op = format!("watch fabric from revision {from}");
         let options = WatchOptions::new().with_prefix().with_start_revision(from);
         let open = || {
@@ -225,6 +232,41 @@ impl Inner {
             let applied = next.saturating_sub(1);
             self.cache_rev.send_modify(|r| *r = (*r).max(applied));
         }
+    }
+
+    /// Before a resume: whether etcd still has the history up to `applied`, the last revision
+    /// the cache applied. A linearizable read answers with a revision at least as high as
+    /// anything etcd ever committed, so one below `applied` means etcd lost its data (wiped,
+    /// restored from an older backup) and counts its revisions anew: a watch from `applied + 1`
+    /// would wait for that revision and skip every change before it. Only a full read catches
+    /// up then. (A store that lost its history and was written past `applied` before this
+    /// check cannot be told apart; its agents' leases are gone, and they re-register.)
+    async fn history_kept(&self, applied: i64) -> Result<(), WatchEnd> {
+        let op = "read the fabric's revision before resuming its watch";
+        let resp = self
+            .call_retrying(op, || {
+                let mut kv = self.client.kv_client();
+                let options = GetOptions::new()
+                    .with_prefix()
+                    .with_count_only()
+                    .with_limit(1);
+                let root = self.root.clone();
+                async move { kv.get(root, Some(options)).await }
+            })
+            .await
+            .map_err(WatchEnd::Broken)?;
+        let now = resp.header().map_or(0, |h| h.revision());
+        if now < applied {
+            return Err(WatchEnd::Compacted(Error::RegistryCompacted {
+                op: format!("watch fabric from revision {}", applied.saturating_add(1)),
+                endpoints: self.endpoints_str.clone(),
+                reason: format!(
+                    "etcd is at revision {now}, behind revision {applied} the cache applied: \
+                     it lost its history (wiped or restored)"
+                ),
+            }));
+        }
+        Ok(())
     }
 
     /// Applies one watch event to the cache.
