@@ -41,8 +41,8 @@ echo "== tests"
 log=$(mktemp)
 cargo test --workspace --no-fail-fast 2>&1 | tee "$log" || true
 cargo test -p kvfabric-engine --features rdma --test rdma 2>&1 | tee -a "$log" || true
-echo "== tests whose deadlines are the claim, in release mode (faults, drain: kill -9, blackholes, SIGTERM)"
-cargo test --release --no-fail-fast -p kvfabric-e2e --test faults --test drain 2>&1 | tee -a "$log" || true
+echo "== tests whose deadlines are the claim, in release mode (faults, drain, etcd cluster: kill -9, blackholes, SIGTERM, lost quorum, partition)"
+cargo test --release --no-fail-fast -p kvfabric-e2e --test faults --test drain --test etcd_cluster 2>&1 | tee -a "$log" || true
 echo "== images: operator and agent as OCI archives, checked inside their own root filesystems"
 scripts/build-images.sh 2>&1 | tee -a "$log"
 echo "== python: the kvfabric package and the vLLM connector against real vLLM processes"

@@ -38,6 +38,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// etcd no longer holds the revisions a read or watch asked for: compaction dropped them,
+    /// or etcd lost its data (wiped, restored) and counts revisions anew. Only a read of the
+    /// current state catches up (the watcher then reads everything again).
+    #[error("etcd at {endpoints} no longer holds the history {op} needed: {reason}")]
+    RegistryCompacted {
+        op: String,
+        endpoints: String,
+        reason: String,
+    },
+
     /// etcd rejected the username or password.
     #[error("etcd at {endpoints} rejected user {user:?}: {reason}")]
     RegistryAuth {
@@ -167,6 +177,7 @@ impl Error {
             Error::UnknownSegment { .. } | Error::NoSuchSegment { .. } => "unknown_segment",
             Error::RegistryUnavailable { .. } => "registry_unavailable",
             Error::Registry { .. } => "registry",
+            Error::RegistryCompacted { .. } => "registry_compacted",
             Error::RegistryAuth { .. } => "registry_auth",
             Error::SegmentExists { .. } => "segment_exists",
             Error::WrongKey { .. } => "wrong_key",

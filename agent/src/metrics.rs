@@ -67,6 +67,14 @@ pub struct Metrics {
     pub registry_agents: Gauge,
     pub registry_segments: Gauge,
     pub registry_reregistrations: Gauge,
+    /// Full re-reads of the registry by the watch (`RegistryState::resyncs`) and watches
+    /// resumed without one (`RegistryState::watch_resumes`), brought up to the registry's own
+    /// counts at each scrape ([`Metrics::sync_registry`]).
+    pub registry_relists: Counter,
+    pub registry_watch_resumes: Counter,
+    /// Serializes [`Metrics::sync_registry`]: two scrapes at once must not both add the same
+    /// difference.
+    registry_sync: parking_lot::Mutex<()>,
     pub local_segments: Gauge,
     /// Spans handed to the collector, and spans lost (collector down, queue full).
     pub spans_exported: Counter,
@@ -106,6 +114,9 @@ impl Metrics {
             registry_agents: Gauge::default(),
             registry_segments: Gauge::default(),
             registry_reregistrations: Gauge::default(),
+            registry_relists: Counter::default(),
+            registry_watch_resumes: Counter::default(),
+            registry_sync: parking_lot::Mutex::new(()),
             local_segments: Gauge::default(),
             spans_exported: spans.exported.clone(),
             spans_dropped: spans.dropped.clone(),
@@ -173,6 +184,18 @@ impl Metrics {
             m.registry_reregistrations.clone(),
         );
         registry.register(
+            "registry_relists",
+            "Times the registry watch read every entry again (etcd compacted the revisions it \
+             needed); the first read at start is not counted",
+            m.registry_relists.clone(),
+        );
+        registry.register(
+            "registry_watch_resumes",
+            "Times the registry watch was opened again from the last revision it applied, \
+             without reading everything again (a member died, a connection dropped)",
+            m.registry_watch_resumes.clone(),
+        );
+        registry.register(
             "local_segments",
             "Segments registered with this agent",
             m.local_segments.clone(),
@@ -214,6 +237,27 @@ impl Metrics {
             m.hold_refused_batches.clone(),
         );
         Metrics { registry, ..m }
+    }
+
+    /// Sets the registry gauges and brings the registry counters up to `state` (its counts
+    /// only grow).
+    pub fn sync_registry(&self, state: &crate::registry::RegistryState) {
+        self.registry_connected.set(i64::from(state.connected));
+        self.registry_agents
+            .set(i64::try_from(state.agents).unwrap_or(i64::MAX));
+        self.registry_segments
+            .set(i64::try_from(state.segments).unwrap_or(i64::MAX));
+        self.registry_reregistrations
+            .set(i64::try_from(state.reregistrations).unwrap_or(i64::MAX));
+        let _one_at_a_time = self.registry_sync.lock();
+        for (counter, count) in [
+            (&self.registry_relists, state.resyncs),
+            (&self.registry_watch_resumes, state.watch_resumes),
+        ] {
+            if let Some(more) = count.checked_sub(counter.get()).filter(|n| *n > 0) {
+                counter.inc_by(more);
+            }
+        }
     }
 
     pub fn error(&self, kind: &str) {
@@ -286,4 +330,42 @@ pub async fn scrape(addr: std::net::SocketAddr) -> crate::Result<Vec<(String, f6
             Ok((name.to_string(), value))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::RegistryState;
+
+    #[test]
+    fn registry_counters_follow_the_registry_and_never_go_back() {
+        let m = Metrics::new(&crate::telemetry::SpanCounters::default());
+        let mut state = RegistryState {
+            resyncs: 2,
+            watch_resumes: 5,
+            ..RegistryState::default()
+        };
+        m.sync_registry(&state);
+        m.sync_registry(&state);
+        assert_eq!(
+            (m.registry_relists.get(), m.registry_watch_resumes.get()),
+            (2, 5)
+        );
+        state.resyncs = 3;
+        m.sync_registry(&state);
+        assert_eq!(m.registry_relists.get(), 3);
+        // A smaller count (another registry's, never the same one's) does not lower a counter.
+        state.resyncs = 1;
+        m.sync_registry(&state);
+        assert_eq!(m.registry_relists.get(), 3);
+        let text = m.encode();
+        assert!(
+            text.contains("kvfabric_agent_registry_relists_total 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvfabric_agent_registry_watch_resumes_total 5"),
+            "{text}"
+        );
+    }
 }

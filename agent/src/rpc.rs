@@ -19,6 +19,7 @@ impl From<Error> for Status {
             Error::InvalidRequest { .. } | Error::Config { .. } => Code::InvalidArgument,
             Error::PeerAgent { .. }
             | Error::Registry { .. }
+            | Error::RegistryCompacted { .. }
             | Error::RegistryUnavailable { .. } => Code::Unavailable,
             Error::Deadline { .. } | Error::HoldUnconfirmed { .. } => Code::DeadlineExceeded,
             Error::Engine(engine) => kvfabric_proto::code::engine_code(engine),

@@ -513,11 +513,7 @@ fn metrics_router(node: Arc<Node>, readiness: Arc<Readiness>) -> axum::Router {
                 let node = node.clone();
                 async move {
                     let m = &node.metrics;
-                    let state = node.registry.state();
-                    m.registry_connected.set(i64::from(state.connected));
-                    m.registry_agents.set(state.agents as i64);
-                    m.registry_segments.set(state.segments as i64);
-                    m.registry_reregistrations.set(state.reregistrations as i64);
+                    m.sync_registry(&node.registry.state());
                     m.local_segments.set(node.local_segments().len() as i64);
                     (
                         [(

@@ -12,7 +12,7 @@ use kvfabric_agent::registry::{
     SegmentRegion,
 };
 use kvfabric_engine::{Location, RegionId};
-use kvfabric_testkit::EtcdServer;
+use kvfabric_testkit::{EtcdCluster, EtcdServer};
 use tokio::sync::broadcast;
 
 /// Short leases keep the fault tests fast.
@@ -279,10 +279,12 @@ async fn etcd_outage_keeps_lookups_answering_and_reregisters_after_restart() {
     let state = a.state();
     assert!(state.connected, "{state:?}");
     assert_ne!(state.lease_id, lease_before, "a new lease");
+    // etcd came back with its data: b's watch resumed where it was, without reading
+    // everything again (only compaction makes that necessary).
+    let state = b.state();
     assert!(
-        b.state().resyncs >= 1,
-        "b's watch resynced: {:?}",
-        b.state()
+        state.watch_resumes >= 1 && state.resyncs == 0,
+        "b's watch resumed without a relist: {state:?}"
     );
 
     // Every key of a is bound to the new lease.
@@ -333,6 +335,41 @@ async fn etcd_write_during_a_short_outage_is_published_when_etcd_is_back() {
     eventually("b sees a gone", WAIT, || b.segment("s1").is_none()).await;
 }
 
+/// etcd loses its data (stopped, data directory wiped, started again): it counts revisions from
+/// 1 again, so a watch resumed from where it was would wait for that revision and skip what
+/// comes before. The watcher sees etcd behind its cache and reads everything again, once; a
+/// segment put afterwards reaches it.
+#[tokio::test]
+async fn etcd_wiped_makes_the_watch_read_everything_again() {
+    let Some(mut etcd) = etcd().await else { return };
+    let a = EtcdRegistry::connect(config(&etcd, "f")).await.unwrap();
+    let b = EtcdRegistry::connect(config(&etcd, "f")).await.unwrap();
+    a.register_agent(agent("a")).await.unwrap();
+    // Enough writes that the watch's revision is well past a fresh store's.
+    for i in 0..10 {
+        a.put_segment(segment(&format!("old{i}"), "a"))
+            .await
+            .unwrap();
+    }
+    eventually("b sees a's segments", WAIT, || b.segments().len() == 10).await;
+    etcd.stop().await.unwrap();
+    std::fs::remove_dir_all(etcd.data_dir()).unwrap();
+    etcd.start_again().await.unwrap();
+    eventually("a re-registers in the wiped etcd", WAIT, || {
+        a.state().reregistrations >= 1
+    })
+    .await;
+    a.put_segment(segment("new", "a")).await.unwrap();
+    eventually("b sees the segment put after the wipe", WAIT, || {
+        b.segment("new").is_some() && b.segments().len() == 11
+    })
+    .await;
+    let state = b.state();
+    assert_eq!(state.resyncs, 1, "{state:?}");
+    a.shutdown().await.unwrap();
+    eventually("b sees a gone", WAIT, || b.segments().is_empty()).await;
+}
+
 #[tokio::test]
 async fn etcd_dead_agent_disappears_from_other_caches_after_its_ttl() {
     let Some(etcd) = etcd().await else { return };
@@ -368,6 +405,90 @@ async fn etcd_dead_agent_disappears_from_other_caches_after_its_ttl() {
     assert!(
         deleted.contains(&Event::AgentDeleted("a".into())),
         "{deleted:?}"
+    );
+}
+
+/// Every member of a three-member cluster restarted in turn, a write right after each: the
+/// writes succeed at once (the first request on a connection to a restarted member fails with
+/// the connect error the client met while it was down; the registry tries another), and the
+/// other registry's watch follows every change by resuming, never reading everything again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_cluster_members_restarted_in_turn_keep_writes_working_and_watches_resuming() {
+    let Some(mut cluster) = EtcdCluster::or_skip(EtcdCluster::start_on_loopback(3).await) else {
+        return;
+    };
+    let mut cfg = EtcdConfig::new(cluster.endpoints(), "f");
+    cfg.lease_ttl = Duration::from_secs(10);
+    cfg.connect_timeout = Duration::from_secs(3);
+    let a = EtcdRegistry::connect(cfg.clone()).await.unwrap();
+    let b = EtcdRegistry::connect(cfg).await.unwrap();
+    a.register_agent(agent("a")).await.unwrap();
+    for (i, member) in cluster.names().iter().enumerate() {
+        cluster.kill(member).await.unwrap();
+        cluster.start_again(member).await.unwrap();
+        cluster.leader().await.unwrap();
+        let name = format!("s{i}");
+        a.put_segment(segment(&name, "a"))
+            .await
+            .unwrap_or_else(|e| panic!("write after {member} restarted: {e}"));
+        eventually(&format!("b sees {name}"), WAIT, || {
+            b.segment(&name).is_some()
+        })
+        .await;
+    }
+    let state = b.state();
+    eprintln!("after a rolling restart: {state:?}");
+    assert_eq!(state.resyncs, 0, "{state:?}");
+    assert!(state.watch_resumes >= 1, "{state:?}");
+    assert_eq!(state.segments, 3, "{state:?}");
+    a.shutdown().await.unwrap();
+    eventually("b sees a gone", WAIT, || b.segments().is_empty()).await;
+}
+
+/// The whole cluster down, requests failing meanwhile, then every member back: the client
+/// keeps, per member, the connect error it met while the member was away and fails the first
+/// request sent to it with that error ("tcp connect error") though the member is up again. The
+/// registry tries another connection: writes right after the restart succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_cluster_back_from_a_full_stop_takes_writes_at_once() {
+    let Some(mut cluster) = EtcdCluster::or_skip(EtcdCluster::start_on_loopback(3).await) else {
+        return;
+    };
+    let mut cfg = EtcdConfig::new(cluster.endpoints(), "f");
+    // Outlives the stops: no re-registration, only the writes under test.
+    cfg.lease_ttl = Duration::from_secs(30);
+    cfg.connect_timeout = Duration::from_secs(3);
+    let a = EtcdRegistry::connect(cfg).await.unwrap();
+    a.register_agent(agent("a")).await.unwrap();
+    a.put_segment(segment("kept", "a")).await.unwrap();
+    let names = cluster.names();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    for round in 0..5 {
+        for member in &names {
+            cluster.kill(member).await.unwrap();
+        }
+        // Requests while every member is down fail, and leave their connect errors behind.
+        for _ in 0..3 {
+            let err = a.delete_segment("kept").await.unwrap_err();
+            assert!(matches!(err, Error::RegistryUnavailable { .. }), "{err}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        cluster.start_members(&names).await.unwrap();
+        cluster.leader().await.unwrap();
+        for i in 0..3 {
+            let name = format!("s{round}-{i}");
+            a.put_segment(segment(&name, "a"))
+                .await
+                .unwrap_or_else(|e| panic!("{name}, right after the cluster came back: {e}"));
+        }
+    }
+    assert_eq!(
+        cluster
+            .keys("/kvfabric/default/f/segments/")
+            .await
+            .unwrap()
+            .len(),
+        16
     );
 }
 

@@ -26,7 +26,7 @@ pub fn render(doc: &StatusDoc) -> String {
     let r = &doc.registry;
     let mut out = format!(
         "agent {} (fabric {}, pool {}), peer API {}, transports {}\n\
-         registry {} {} — {}, lease {} (ttl {} s), re-registrations {}, resyncs {}{}\n",
+         registry {} {} — {}, lease {} (ttl {} s), re-registrations {}, relists {}, watch resumes {}{}\n",
         doc.agent,
         doc.fabric,
         doc.pool,
@@ -43,6 +43,7 @@ pub fn render(doc: &StatusDoc) -> String {
         r.lease_ttl_secs,
         r.reregistrations,
         r.resyncs,
+        r.watch_resumes,
         r.last_error
             .as_ref()
             .map(|e| format!(", last error: {e}"))

@@ -177,14 +177,29 @@ impl AgentProcess {
         }
     }
 
-    /// Sends SIGTERM (the agent starts draining) and returns at once.
-    pub fn sigterm(&self) {
+    /// Freezes the agent (SIGSTOP): its sockets stay open and the kernel keeps receiving for
+    /// it, but it reads, answers and renews nothing until [`AgentProcess::resume`].
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a paused agent go on (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, which: &str) {
         let c = self.child.as_ref().expect("agent runs");
         let status = Command::new("kill")
-            .args(["-TERM", &c.id().to_string()])
+            .args([which, &c.id().to_string()])
             .status()
             .expect("run kill");
-        assert!(status.success(), "kill -TERM {}", c.id());
+        assert!(status.success(), "kill {which} {}", c.id());
+    }
+
+    /// Sends SIGTERM (the agent starts draining) and returns at once.
+    pub fn sigterm(&self) {
+        self.signal("-TERM");
     }
 
     /// Waits up to `limit` for the agent to exit and returns its exit code (None: killed by a

@@ -1,5 +1,6 @@
 //! Network namespaces joined by veth pairs on one bridge: each agent gets its own "host" with its
-//! own address, links can be cut and restored and their rate limited. Where namespaces cannot be
+//! own address, links can be cut and restored, their rate limited, and two hosts partitioned
+//! from each other while both keep talking to the rest. Where namespaces cannot be
 //! made (no root, no `ip`), every host is loopback and the test records a skip
 //! (`kvfabric_testkit::skip`): in CI that fails it.
 
@@ -165,6 +166,32 @@ impl Network {
             "-n", ns, "qdisc", "replace", "dev", &h.dev, "root", "tbf", "rate", &rate, "burst",
             "256kb", "latency", "100ms",
         ])
+    }
+
+    /// Partitions hosts `a` and `b` from each other, both ways, and nothing else: each drops
+    /// what it sends to the other (a blackhole route for the other's address inside its
+    /// namespace, more specific than the bridge's subnet route). New connections between them
+    /// fail at once ("invalid argument"), open ones go silent; both keep reaching every other
+    /// host, as a host cut off from etcd but not from its peers would.
+    pub fn partition(&self, a: usize, b: usize) -> Result<(), String> {
+        self.blackhole(a, b, "add")?;
+        self.blackhole(b, a, "add")
+    }
+
+    /// Lifts [`Network::partition`]: connections that went silent carry on.
+    pub fn heal(&self, a: usize, b: usize) -> Result<(), String> {
+        self.blackhole(a, b, "del")?;
+        self.blackhole(b, a, "del")
+    }
+
+    /// Adds (`add`) or removes (`del`) the route in `from`'s namespace that drops what it sends
+    /// to `to`.
+    fn blackhole(&self, from: usize, to: usize, verb: &str) -> Result<(), String> {
+        let Some(ns) = &self.hosts[from].netns else {
+            return Err("no namespaces: hosts cannot be partitioned on loopback".into());
+        };
+        let target = format!("{}/32", self.hosts[to].ip);
+        ip(&["-n", ns, "route", verb, "blackhole", &target])
     }
 
     /// Lifts [`Network::limit_rate`].

@@ -11,6 +11,13 @@ use crate::{Error, Result};
 /// Finalizer on every `TransferFabric`.
 pub const FINALIZER: &str = "kvfabric.io/registry-cleanup";
 
+/// Most deletes one cleanup attempt sends while etcd refuses them at once as unavailable (see
+/// [`EtcdCleaner`]); the number of endpoints plus one, up to this.
+const MAX_DELETES: usize = 8;
+/// First pause between those deletes, doubling up to `DELETE_PAUSE_CAP`.
+const DELETE_PAUSE: Duration = Duration::from_millis(20);
+const DELETE_PAUSE_CAP: Duration = Duration::from_millis(200);
+
 /// How to reach the fabric's etcd: its endpoints and the credentials from the fabric's Secrets.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct EtcdAccess {
@@ -63,6 +70,12 @@ pub trait RegistryCleaner: Send + Sync + Debug {
 
 /// The production cleaner: the `etcd-client` crate, with TLS and authentication when the fabric
 /// names Secrets for them.
+///
+/// With several endpoints, the client spreads requests over one connection per member, and a
+/// request sent to a member that is down fails at once ("tcp connect error"). One attempt
+/// therefore sends the delete again on the same client while etcd refuses it that way (at most
+/// once more than there are endpoints), so a cluster with a member down is cleaned on the
+/// first attempt. Deleting a prefix twice is harmless.
 #[derive(Debug, Clone)]
 pub struct EtcdCleaner {
     /// Limit on connecting and on each request.
@@ -101,15 +114,39 @@ impl RegistryCleaner for EtcdCleaner {
             let mut client = etcd_client::Client::connect(endpoints, Some(options))
                 .await
                 .map_err(fail)?;
-            let resp = client
-                .delete(
-                    prefix,
-                    Some(etcd_client::DeleteOptions::new().with_prefix()),
-                )
-                .await
-                .map_err(fail)?;
-            Ok(u64::try_from(resp.deleted()).unwrap_or(0))
+            let tries = endpoints.len().saturating_add(1).min(MAX_DELETES);
+            let mut pause = kvfabric_rt::Backoff::new(DELETE_PAUSE, DELETE_PAUSE_CAP);
+            let mut deleted = 0u64;
+            for attempt in 1..=tries {
+                let options = etcd_client::DeleteOptions::new().with_prefix();
+                match client.delete(prefix, Some(options)).await {
+                    Ok(resp) => {
+                        // Keys a refused try deleted after all are counted by no one: the count
+                        // is this delete's.
+                        deleted = u64::try_from(resp.deleted()).unwrap_or(0);
+                        break;
+                    }
+                    Err(e) if attempt < tries && refused_at_once(&e) => {
+                        tracing::debug!(attempt, error = %e, "registry cleanup refused; again");
+                        tokio::time::sleep(pause.next_delay()).await;
+                    }
+                    Err(e) => return Err(fail(e)),
+                }
+            }
+            Ok(deleted)
         })
+    }
+}
+
+/// Whether etcd's client failed a request as unavailable (a member down or restarting, no
+/// leader): another try may reach another member.
+fn refused_at_once(e: &etcd_client::Error) -> bool {
+    // gRPC's UNAVAILABLE (tonic's `Code` as i32; the operator does not link tonic itself).
+    const UNAVAILABLE: i32 = 14;
+    match e {
+        etcd_client::Error::GRpcStatus(status) => i32::from(status.code()) == UNAVAILABLE,
+        etcd_client::Error::TransportError(_) => true,
+        _ => false,
     }
 }
 
@@ -326,6 +363,47 @@ mod tests {
                 "/kvfabric/team-b/llama2/segments/w0",
             ]
         );
+    }
+
+    /// A three-member cluster with its leader down: each cleanup's fresh client spreads its
+    /// requests over all three endpoints, and one sent to the dead member fails at once. Every
+    /// cleanup must still succeed on its first (and here only) attempt.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cluster_with_its_leader_down_is_cleaned_on_the_first_attempt() {
+        use kvfabric_testkit::EtcdCluster;
+        let Some(mut cluster) = EtcdCluster::or_skip(EtcdCluster::start_on_loopback(3).await)
+        else {
+            return;
+        };
+        let leader = cluster.leader().await.expect("leader");
+        cluster.kill(&leader).await.expect("kill");
+        cluster.leader().await.expect("a new leader");
+        let access = EtcdAccess {
+            endpoints: cluster.endpoints(),
+            ..EtcdAccess::default()
+        };
+        let once = CleanupPolicy {
+            attempts: 1,
+            timeout: Duration::from_secs(5),
+            backoff: Duration::ZERO,
+        };
+        let cleaner = EtcdCleaner {
+            timeout: Duration::from_secs(2),
+        };
+        let mut client = cluster.client().await.expect("client");
+        for round in 0..12 {
+            for key in ["agents/a", "segments/s"] {
+                client
+                    .put(format!("/kvfabric/ns/tf/{key}"), "{}", None)
+                    .await
+                    .expect("put");
+            }
+            let n = clean_registry(&cleaner, &once, &access, "/kvfabric/ns/tf/")
+                .await
+                .unwrap_or_else(|e| panic!("round {round}, {leader} down: {e}"));
+            assert_eq!(n, 2, "round {round}");
+        }
+        assert!(cluster.keys("/kvfabric/").await.expect("keys").is_empty());
     }
 
     #[tokio::test]

@@ -64,8 +64,14 @@ pub struct RegistryState {
     pub lease_ttl_secs: u64,
     /// Times the lease was lost and everything re-registered under a new one.
     pub reregistrations: u64,
-    /// Times the watch was restarted from a full read.
+    /// Times the watch had to read everything again (a relist: etcd had compacted the
+    /// revisions it needed). The first read at start is not counted.
     pub resyncs: u64,
+    /// Times the watch was opened again from the last revision it had applied, without reading
+    /// everything again (its stream broke: a member died, a connection dropped, etcd lost its
+    /// leader). Older agents do not report it (0).
+    #[serde(default)]
+    pub watch_resumes: u64,
     pub agents: usize,
     pub segments: usize,
     /// The last error talking to the registry, if any since the last success.

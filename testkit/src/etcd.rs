@@ -76,18 +76,7 @@ impl EtcdServer {
     /// openssl) is missing. Any other failure panics: an etcd that is installed must start.
     #[track_caller]
     pub fn or_skip(started: Result<Self>) -> Option<Self> {
-        match started {
-            Ok(server) => Some(server),
-            Err(e @ Error::EtcdNotFound { .. }) => {
-                skip(Why::Missing("no etcd binary"), e);
-                None
-            }
-            Err(e @ Error::OpensslNotFound { .. }) => {
-                skip(Why::Missing("no openssl command"), e);
-                None
-            }
-            Err(e) => panic!("etcd did not start: {e}"),
-        }
+        or_skip(started)
     }
 
     /// Starts etcd on 127.0.0.1 and waits until it answers.
@@ -441,8 +430,26 @@ impl Drop for EtcdServer {
     }
 }
 
+/// A started etcd (server or cluster), or None after a [`skip`] where a binary it needs is
+/// missing; any other failure panics.
+#[track_caller]
+pub(crate) fn or_skip<T>(started: Result<T>) -> Option<T> {
+    match started {
+        Ok(started) => Some(started),
+        Err(e @ Error::EtcdNotFound { .. }) => {
+            skip(Why::Missing("no etcd binary"), e);
+            None
+        }
+        Err(e @ Error::OpensslNotFound { .. }) => {
+            skip(Why::Missing("no openssl command"), e);
+            None
+        }
+        Err(e) => panic!("etcd did not start: {e}"),
+    }
+}
+
 /// Two distinct free TCP ports on `ip` (bound, then released for etcd to take).
-fn free_ports(ip: IpAddr) -> Result<(u16, u16)> {
+pub(crate) fn free_ports(ip: IpAddr) -> Result<(u16, u16)> {
     let bind = || {
         TcpListener::bind((ip, 0)).map_err(|e| Error::io(format!("bind a free port on {ip}"), e))
     };
@@ -456,7 +463,7 @@ fn free_ports(ip: IpAddr) -> Result<(u16, u16)> {
 }
 
 /// The last `max` bytes of a file, for error messages.
-fn tail(path: &Path, max: u64) -> String {
+pub(crate) fn tail(path: &Path, max: u64) -> String {
     let Ok(mut file) = File::open(path) else {
         return String::from("(no log)");
     };

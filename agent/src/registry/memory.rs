@@ -202,6 +202,7 @@ impl Registry for MemoryRegistry {
             lease_ttl_secs: 0,
             reregistrations: 0,
             resyncs: 0,
+            watch_resumes: 0,
             agents: maps.agents.len(),
             segments: maps.segments.len(),
             last_error: None,

@@ -203,7 +203,12 @@ impl EtcdConfig {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             // etcd's --grpc-keepalive-min-time is 5 s: never ping more often than that.
-            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            // A member that lost its leader (cut off from the others, or the cluster lost its
+            // quorum) refuses requests at once and cancels the watch streams it serves, instead
+            // of answering from a store that no longer changes: the watcher then resumes on a
+            // member that has a leader, and a write fails fast rather than at its timeout.
+            .with_require_leader(true);
         if let Some(tls) = self.tls.clone() {
             let tls = tokio::task::spawn_blocking(move || tls.options())
                 .await

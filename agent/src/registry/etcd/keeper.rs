@@ -107,8 +107,12 @@ impl Inner {
                     )
                 })
                 .collect();
-            let mut kv = self.client.kv_client();
-            self.call(op, kv.txn(Txn::new().and_then(ops))).await?;
+            self.call_retrying(op, || {
+                let mut kv = self.client.kv_client();
+                let txn = Txn::new().and_then(ops.clone());
+                async move { kv.txn(txn).await }
+            })
+            .await?;
         }
         Ok(())
     }
@@ -134,8 +138,12 @@ impl Inner {
             if self.lost_lease.load(Ordering::SeqCst) == lease {
                 return KeepAlive::Lost("a write found the lease gone");
             }
-            let mut client = self.client.lease_client();
-            let open = self.call("lease keepalive", client.keep_alive(lease)).await;
+            let open = self
+                .call_retrying("lease keepalive", || {
+                    let mut client = self.client.lease_client();
+                    async move { client.keep_alive(lease).await }
+                })
+                .await;
             let (mut keeper, mut stream) = match open {
                 Ok(pair) => pair,
                 Err(e) if e.to_string().contains("lease not found") => {

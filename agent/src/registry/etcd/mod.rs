@@ -13,9 +13,16 @@
 //!   re-puts every key this agent owns under it, revokes the old lease (best effort) and counts
 //!   a re-registration.
 //! - the **watcher** reads everything under `<root>/` once, then watches from the
-//!   next revision. Each change updates the cache and is broadcast. On a watch error,
-//!   cancellation or compaction it re-reads everything (a resync, broadcast as
-//!   [`Event::Resynced`]) and watches again. Lookups only ever read the cache.
+//!   next revision. Each change updates the cache and is broadcast. A watch that ends (its
+//!   member died or lost its leader, the connection dropped, it went silent past its deadline)
+//!   is resumed from the first revision not yet applied, on whichever member answers; only
+//!   when etcd compacted that revision away does it read everything again (a relist, counted
+//!   in `resyncs` and broadcast as [`Event::Resynced`]). Lookups only ever read the cache.
+//!
+//! Requests ask for a member with a leader (etcd's "require leader"): a member cut off from
+//! the others refuses them at once and cancels its watches, so nothing is served from a store
+//! that no longer changes. A request the client fails at once as unavailable (a member just
+//! restarted, no leader) is tried again on another connection, a few times within its timeout.
 //!
 //! Writes go to etcd and are remembered (for re-registration, and for a write that failed while
 //! etcd was unreachable: the keeper publishes it once keepalives succeed again);
@@ -39,6 +46,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
+use kvfabric_rt::Backoff;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{Notify, broadcast, watch};
 use tokio::task::AbortHandle;
@@ -54,6 +62,12 @@ const EVENT_CAPACITY: usize = 1024;
 const PAGE: i64 = 1000;
 /// Puts per transaction when re-registering (etcd's default `--max-txn-ops` is 128).
 const TXN_OPS: usize = 100;
+/// Most tries of one request that etcd's client fails at once as unavailable (see
+/// [`Inner::call_retrying`]); the number of endpoints plus one, up to this.
+const MAX_ATTEMPTS: usize = 8;
+/// First pause between such tries (doubling, capped at `RETRY_PAUSE_CAP`).
+const RETRY_PAUSE: Duration = Duration::from_millis(20);
+const RETRY_PAUSE_CAP: Duration = Duration::from_millis(200);
 
 /// One agent's registry on etcd. See the module documentation.
 pub struct EtcdRegistry {
@@ -107,7 +121,10 @@ struct Status {
     connected: bool,
     last_error: Option<String>,
     reregistrations: u64,
+    /// Full reads after the first (relists).
     resyncs: u64,
+    /// Watches opened again from the last applied revision, without a full read.
+    watch_resumes: u64,
 }
 
 impl fmt::Debug for EtcdRegistry {
@@ -344,6 +361,7 @@ impl Registry for EtcdRegistry {
             lease_ttl_secs: inner.granted_ttl.load(Ordering::Relaxed).max(0) as u64,
             reregistrations: status.reregistrations,
             resyncs: status.resyncs,
+            watch_resumes: status.watch_resumes,
             agents,
             segments,
             last_error: status.last_error.clone(),
@@ -369,9 +387,11 @@ impl Registry for EtcdRegistry {
         if lease == 0 {
             return Ok(());
         }
-        let mut client = inner.client.lease_client();
         inner
-            .call("revoke lease at shutdown", client.revoke(lease))
+            .call_retrying("revoke lease at shutdown", || {
+                let mut client = inner.client.lease_client();
+                async move { client.revoke(lease).await }
+            })
             .await?;
         tracing::info!(
             lease = format!("{lease:x}"),
@@ -404,22 +424,55 @@ impl Inner {
         status.last_error = Some(e.to_string());
     }
 
-    /// One request, bounded by the request timeout, with connection bookkeeping.
-    async fn call<T>(
-        &self,
-        op: &str,
-        request: impl Future<Output = Result<T, etcd_client::Error>>,
-    ) -> Result<T> {
-        let result = match tokio::time::timeout(self.request_timeout, request).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(classify(op, &self.endpoints_str, e)),
-            Err(_) => Err(timed_out(op, &self.endpoints_str, self.request_timeout)),
-        };
-        match &result {
-            Ok(_) => self.ok(),
-            Err(e) => self.failed(e),
+    /// One request (every etcd request goes through here: bounded by the request timeout, with
+    /// connection bookkeeping), made by `request` and tried again while it fails at once as
+    /// unavailable:
+    /// at most once more than there are endpoints (and [`MAX_ATTEMPTS`]), pausing
+    /// [`RETRY_PAUSE`] doubling in between, all within one request timeout.
+    ///
+    /// Why: the client keeps a connection per member; when a member restarts, the first
+    /// request sent on its broken connection fails with the connect error the client met while
+    /// the member was away ("tcp connect error"), even once every member is back, and a member
+    /// without a leader refuses at once ("no leader"). Another try goes to another member or a
+    /// fresh connection. Every request sent this way may be repeated: puts of the same value
+    /// under the same lease, deletes conditional on the lease, reads, revokes; a repeated grant
+    /// would leave at worst an empty lease that expires after its TTL; opening a keepalive or
+    /// watch stream sends nothing that changes etcd. A request that timed out is not retried:
+    /// its time is spent.
+    async fn call_retrying<T, F, Fut>(&self, op: &str, mut request: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let deadline = tokio::time::Instant::now() + self.request_timeout;
+        let attempts = self.endpoints.len().saturating_add(1).min(MAX_ATTEMPTS);
+        let mut pause = Backoff::new(RETRY_PAUSE, RETRY_PAUSE_CAP);
+        let mut attempt = 1;
+        loop {
+            let result = match tokio::time::timeout_at(deadline, request()).await {
+                Ok(Ok(v)) => {
+                    self.ok();
+                    return Ok(v);
+                }
+                Ok(Err(e)) => classify(op, &self.endpoints_str, e),
+                Err(_) => {
+                    let e = timed_out(op, &self.endpoints_str, self.request_timeout);
+                    self.failed(&e);
+                    return Err(e);
+                }
+            };
+            let wait = pause.next_delay();
+            let again = matches!(result, Error::RegistryUnavailable { .. })
+                && attempt < attempts
+                && tokio::time::Instant::now() + wait < deadline;
+            if !again {
+                self.failed(&result);
+                return Err(result);
+            }
+            tracing::debug!(op, attempt, error = %result, "etcd refused at once; trying again");
+            attempt += 1;
+            tokio::time::sleep(wait).await;
         }
-        result
     }
 
     fn unavailable(&self, op: &str, reason: impl Into<String>) -> Error {
@@ -431,9 +484,11 @@ impl Inner {
     }
 
     async fn grant(&self) -> Result<(i64, i64)> {
-        let mut client = self.client.lease_client();
         let resp = self
-            .call("grant lease", client.grant(self.ttl_secs, None))
+            .call_retrying("grant lease", || {
+                let mut client = self.client.lease_client();
+                async move { client.grant(self.ttl_secs, None).await }
+            })
             .await?;
         self.granted_ttl.store(resp.ttl(), Ordering::Relaxed);
         Ok((resp.id(), resp.ttl()))
@@ -450,9 +505,14 @@ impl Inner {
                  published with the new lease",
             ));
         }
-        let mut kv = self.client.kv_client();
-        let put = kv.put(key, value, Some(PutOptions::new().with_lease(lease)));
-        match self.call(op, put).await {
+        let put = || {
+            let (mut kv, value) = (self.client.kv_client(), value.clone());
+            async move {
+                kv.put(key, value, Some(PutOptions::new().with_lease(lease)))
+                    .await
+            }
+        };
+        match self.call_retrying(op, put).await {
             Ok(resp) => Ok(resp.header().map_or(0, |h| h.revision())),
             Err(e) if is_lease_not_found(&e) => {
                 self.report_lost(lease);
@@ -481,11 +541,14 @@ impl Inner {
         if lease == 0 {
             return Ok(0);
         }
-        let txn = Txn::new()
-            .when([Compare::lease(key, CompareOp::Equal, lease)])
-            .and_then([TxnOp::delete(key, None)]);
-        let mut kv = self.client.kv_client();
-        let resp = self.call(op, kv.txn(txn)).await?;
+        let delete = || {
+            let mut kv = self.client.kv_client();
+            let txn = Txn::new()
+                .when([Compare::lease(key, CompareOp::Equal, lease)])
+                .and_then([TxnOp::delete(key, None)]);
+            async move { kv.txn(txn).await }
+        };
+        let resp = self.call_retrying(op, delete).await?;
         Ok(if resp.succeeded() {
             resp.header().map_or(0, |h| h.revision())
         } else {

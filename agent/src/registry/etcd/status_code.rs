@@ -10,6 +10,7 @@ const UNKNOWN: i32 = 2;
 const INVALID_ARGUMENT: i32 = 3;
 const DEADLINE_EXCEEDED: i32 = 4;
 const ABORTED: i32 = 10;
+const OUT_OF_RANGE: i32 = 11;
 const UNAVAILABLE: i32 = 14;
 const UNAUTHENTICATED: i32 = 16;
 
@@ -25,6 +26,15 @@ pub(super) fn classify(op: &str, endpoints: &str, e: etcd_client::Error) -> Erro
             match code {
                 CANCELLED | UNKNOWN | DEADLINE_EXCEEDED | ABORTED | UNAVAILABLE => {
                     Error::RegistryUnavailable {
+                        op,
+                        endpoints,
+                        reason,
+                    }
+                }
+                // A read at a revision compaction dropped ("mvcc: required revision has been
+                // compacted"): typed, so a reader knows to start over at the current revision.
+                OUT_OF_RANGE if status.message().contains("compacted") => {
+                    Error::RegistryCompacted {
                         op,
                         endpoints,
                         reason,
@@ -73,5 +83,42 @@ pub(super) fn timed_out(op: &str, endpoints: &str, after: Duration) -> Error {
         op: op.into(),
         endpoints: endpoints.into(),
         reason: format!("no answer within {after:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: tonic::Code, message: &str) -> etcd_client::Error {
+        etcd_client::Error::GRpcStatus(tonic::Status::new(code, message))
+    }
+
+    #[test]
+    fn a_read_of_compacted_history_is_its_own_kind() {
+        let e = classify(
+            "read fabric at revision 7",
+            "http://e:2379",
+            status(
+                tonic::Code::OutOfRange,
+                "etcdserver: mvcc: required revision has been compacted",
+            ),
+        );
+        assert!(matches!(e, Error::RegistryCompacted { .. }), "{e}");
+        assert_eq!(e.kind(), "registry_compacted");
+        // Any other out-of-range answer is etcd saying no.
+        let e = classify(
+            "read",
+            "http://e:2379",
+            status(tonic::Code::OutOfRange, "something else"),
+        );
+        assert!(matches!(e, Error::Registry { .. }), "{e}");
+        // A member without a leader (asked to require one) did not answer: retry elsewhere.
+        let e = classify(
+            "watch",
+            "http://e:2379",
+            status(tonic::Code::Unavailable, "etcdserver: no leader"),
+        );
+        assert!(matches!(e, Error::RegistryUnavailable { .. }), "{e}");
     }
 }
