@@ -56,6 +56,25 @@ pub struct LocalSegment {
     pub regions: Vec<Arc<Region>>,
 }
 
+impl LocalSegment {
+    /// What the registry publishes of it, served by `agent`.
+    fn entry(&self, agent: &str) -> SegmentEntry {
+        SegmentEntry {
+            name: self.name.clone(),
+            agent: agent.into(),
+            regions: self
+                .regions
+                .iter()
+                .map(|r| SegmentRegion {
+                    id: r.id(),
+                    len: r.len(),
+                    location: r.location(),
+                })
+                .collect(),
+        }
+    }
+}
+
 /// One data connection to another agent's engine, over one transport.
 #[derive(Debug)]
 pub struct Link {
@@ -337,19 +356,7 @@ impl Node {
             key,
             regions,
         });
-        let entry = SegmentEntry {
-            name: name.into(),
-            agent: self.config.name.clone(),
-            regions: segment
-                .regions
-                .iter()
-                .map(|r| SegmentRegion {
-                    id: r.id(),
-                    len: r.len(),
-                    location: r.location(),
-                })
-                .collect(),
-        };
+        let entry = segment.entry(&self.config.name);
         let published = match self.registry.put_segment(entry).await {
             Ok(()) => true,
             Err(e @ Error::RegistryUnavailable { .. }) => {
@@ -518,6 +525,19 @@ impl Node {
         outcome
     }
 
+    /// A segment by name: this agent's own from its table, which stays authoritative while
+    /// the registry's view lags or lost the entry (a lease that expired under load and is
+    /// being re-registered), any other from the registry.
+    fn segment_entry(&self, name: &str) -> Option<SegmentEntry> {
+        let own = self
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .map(|s| s.entry(&self.config.name));
+        own.or_else(|| self.registry.segment(name))
+    }
+
     async fn transfer_in_span(&self, t: &Transfer) -> Result<TransferResult> {
         let span = tracing::Span::current();
         let local = self.local_segment(&t.local_segment, t.local_key)?;
@@ -543,12 +563,11 @@ impl Node {
                 ),
             ));
         }
-        let remote =
-            self.registry
-                .segment(&t.remote_segment)
-                .ok_or_else(|| Error::NoSuchSegment {
-                    name: t.remote_segment.clone(),
-                })?;
+        let remote = self
+            .segment_entry(&t.remote_segment)
+            .ok_or_else(|| Error::NoSuchSegment {
+                name: t.remote_segment.clone(),
+            })?;
         let (src_node, dst_node) = match t.opcode {
             Opcode::Read => (&remote.agent, &self.config.name),
             Opcode::Write => (&self.config.name, &remote.agent),

@@ -7,12 +7,12 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use kvfabric_agent::registry::{EtcdConfig, EtcdRegistry};
+use kvfabric_agent::registry::{EtcdConfig, EtcdRegistry, Registry};
 use kvfabric_agent::telemetry::Telemetry;
-use kvfabric_client::{Client, HostMemory, Segment};
+use kvfabric_client::{Client, HostMemory, Op, Segment};
 use kvfabric_testkit::{EtcdServer, InProcessAgent};
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::{Rng, RngCore, SeedableRng};
 use tonic::Code;
 
 const NAMES: [&str; 4] = ["seg-a", "seg-b", "seg-c", "seg-d"];
@@ -182,4 +182,69 @@ async fn agent_and_registry_agree_after_random_interleavings() {
         eprintln!("sequence with seed {seed}");
         run(seed).await;
     }
+}
+
+/// A worker's read between two segments of its own agent keeps working while the registry's
+/// view has lost their entries (a lease that ran out under load, being re-registered): the
+/// agent's own table says what it serves. Seen with real vLLM servers on a loaded machine as
+/// "unknown segment" for a prefill's own worker.
+#[tokio::test(flavor = "multi_thread")]
+async fn own_segments_stay_readable_while_the_registry_lost_them() {
+    let Some(etcd) = EtcdServer::or_skip(EtcdServer::start().await) else {
+        return;
+    };
+    let mut cfg = EtcdConfig::new([etcd.endpoint()], "own");
+    cfg.lease_ttl = TTL;
+    let root = cfg.root();
+    let registry = EtcdRegistry::connect(cfg).await.unwrap();
+    let view = registry.clone();
+    let mut config = InProcessAgent::config("node-a");
+    config.fabric = "own".into();
+    let agent = InProcessAgent::start(config, registry, Telemetry::default())
+        .await
+        .unwrap();
+    let client = Client::connect(agent.socket_dir()).await.unwrap();
+    let block = 4096u64;
+    let src = HostMemory::alloc(16 * block).unwrap();
+    // SAFETY: nothing transfers into it yet.
+    SmallRng::seed_from_u64(5).fill_bytes(unsafe { src.as_mut_slice() });
+    let dst = HostMemory::alloc(16 * block).unwrap();
+    let s = client.register("own-src", &[&src], None).await.unwrap();
+    let d = client.register("own-dst", &[&dst], None).await.unwrap();
+    let ops: Vec<Op> = (0..16)
+        .map(|i| Op {
+            local_region: 0,
+            local_offset: i * block,
+            remote_region: 0,
+            remote_offset: (15 - i) * block,
+            len: block,
+        })
+        .collect();
+    client.read(&d, "own-src", s.key, &ops).await.unwrap();
+
+    // What the lease's expiry does to the entry; the watch takes it out of the view.
+    let mut etcd_client = etcd.client().await.unwrap();
+    etcd_client
+        .delete(format!("{root}segments/own-src"), None)
+        .await
+        .unwrap();
+    let start = Instant::now();
+    while view.segment("own-src").is_some() {
+        assert!(start.elapsed() < TTL * 5, "the watch never saw the delete");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // SAFETY: no batch is in flight.
+    unsafe { dst.as_mut_slice() }.fill(0);
+    let done = client.read(&d, "own-src", s.key, &ops).await.unwrap();
+    assert_eq!(done.bytes, 16 * block);
+    // SAFETY: the batch completed; nothing is in flight.
+    let (from, to) = unsafe { (src.as_slice(), dst.as_slice()) };
+    for i in 0..16usize {
+        let (l, r) = (i * block as usize, (15 - i) * block as usize);
+        assert!(
+            to[l..l + block as usize] == from[r..r + block as usize],
+            "block {i}"
+        );
+    }
+    agent.stop().await.unwrap();
 }
