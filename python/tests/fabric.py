@@ -86,9 +86,14 @@ class Agent:
         etcd: str | None = None,
         extra: list[str] | None = None,
         socket_dir: str | None = None,
+        lease_ttl_secs: int | None = None,
     ) -> None:
+        """``lease_ttl_secs``: None runs the agent's default (10 s): a shorter lease is lost
+        while real vLLM servers load this machine's two cores, and with it the agent's
+        entries until it re-registers."""
         self.name = name
         self.etcd = etcd
+        self.lease_ttl_secs = lease_ttl_secs
         self.extra = list(extra or [])
         self.socket_dir = socket_dir or tempfile.mkdtemp(prefix="kvfabric-sock-")
         self.proc: subprocess.Popen[str] | None = None
@@ -118,7 +123,9 @@ class Agent:
             *self.extra,
         ]
         if self.etcd:
-            args += ["--etcd-endpoints", self.etcd, "--lease-ttl-secs", "3"]
+            args += ["--etcd-endpoints", self.etcd]
+            if self.lease_ttl_secs is not None:
+                args += ["--lease-ttl-secs", str(self.lease_ttl_secs)]
         log = open(os.path.join(self.socket_dir, f"{self.name}.log"), "a")  # noqa: SIM115
         env = dict(os.environ, KVFABRIC_LOG=os.environ.get("KVFABRIC_LOG", "info"))
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)

@@ -337,9 +337,9 @@ def test_requests_work_again_after_the_agents_restart(pd):
     before = {side: pd[side].log().count(line) for side, line in logs.items()}
     for side in ("p", "d"):
         pd["agents"][side].restart()
-    # The workers find their segments gone and register them again, once the registry entries
-    # of the agents' previous runs have expired with their leases.
-    deadline = time.monotonic() + 30
+    # The workers find their segments gone and register them again (the registry entries of
+    # an agent's previous run name that agent: the new registrations take their place).
+    deadline = time.monotonic() + 60
     for side, line in logs.items():
         while pd[side].log().count(line) == before[side]:
             assert time.monotonic() < deadline, f"the {side} workers did not register again"
