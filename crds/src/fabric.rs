@@ -246,36 +246,62 @@ pub struct GpuSpec {
     #[serde(default)]
     pub enabled: bool,
 
-    /// Value of `NVIDIA_VISIBLE_DEVICES`. The GPU Operator's NRI plugin (25.10 or later,
-    /// `cdi.nriPluginEnabled`), its `nvidia` RuntimeClass, or the NVIDIA runtime as the node's
-    /// default runtime inject the GPUs it names.
+    /// What injects the GPUs into the agent container: `Cdi` (default), `Env` or `Claim`.
+    #[serde(default)]
+    pub mode: GpuMode,
+
+    /// `Cdi` mode: fully qualified CDI devices put in the pod annotation
+    /// `nvidia.cdi.k8s.io/container.agent`, which the NVIDIA Container Toolkit's NRI plugin
+    /// reads. The default, `management.nvidia.com/gpu=all`, is the GPU Operator's device for
+    /// management containers (the driver and every GPU, none allocated); the plugin injects it
+    /// only in namespaces its administrator allows.
+    #[schemars(length(min = 1, max = 16))]
+    #[serde(default = "default_cdi_devices")]
+    pub cdi_devices: Vec<String>,
+
+    /// `Env` mode: value of `NVIDIA_VISIBLE_DEVICES`, read by the NVIDIA runtime (the node's
+    /// default runtime, or the `nvidia` RuntimeClass).
     #[serde(default = "default_visible_devices")]
     pub visible_devices: String,
 
-    /// RuntimeClass of the agent pods, e.g. `nvidia` where the GPU Operator runs without its NRI
-    /// plugin; none by default, since clusters with the NRI plugin have no such class.
+    /// RuntimeClass of the agent pods, e.g. `nvidia` for `Env` mode under a GPU Operator whose
+    /// runtime is not the node's default; none by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime_class_name: Option<String>,
+}
 
-    /// Fully qualified CDI device names (e.g. `nvidia.com/gpu=all`), put in the pod annotation
-    /// `cdi.k8s.io/kvfabric-agent` for container runtimes that inject CDI devices from pod
-    /// annotations.
-    #[schemars(length(max = 16))]
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub cdi_devices: Vec<String>,
+/// What injects the GPUs into the agent container.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum GpuMode {
+    /// CDI devices named in the pod annotation the NVIDIA Container Toolkit's NRI plugin
+    /// reads (GPU Operator 25.10 or later, `cdi.nriPluginEnabled`).
+    #[default]
+    Cdi,
+    /// `NVIDIA_VISIBLE_DEVICES`, read by the NVIDIA runtime's legacy hook.
+    Env,
+    /// The pod's resource claims bring the GPUs (DRA admin access, `resourceClaims`).
+    Claim,
 }
 
 fn default_visible_devices() -> String {
     "all".to_owned()
 }
 
+fn default_cdi_devices() -> Vec<String> {
+    vec![MANAGEMENT_GPUS.to_owned()]
+}
+
+/// The GPU Operator's CDI device for management containers: the driver and every GPU.
+pub const MANAGEMENT_GPUS: &str = "management.nvidia.com/gpu=all";
+
 impl Default for GpuSpec {
     fn default() -> Self {
         Self {
             enabled: false,
+            mode: GpuMode::default(),
+            cdi_devices: default_cdi_devices(),
             visible_devices: default_visible_devices(),
             runtime_class_name: None,
-            cdi_devices: Vec::new(),
         }
     }
 }

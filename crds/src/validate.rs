@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 
-use crate::{Error, MAX_KEY_PREFIX, Result, TransferFabricSpec, Transport};
+use crate::{Error, GpuMode, MAX_KEY_PREFIX, Result, TransferFabricSpec, Transport};
 
 /// Longest pool name: `<fabric>-<pool>-agent` must stay a valid object name and label value.
 pub const MAX_POOL_NAME: usize = 40;
@@ -209,6 +209,20 @@ impl TransferFabricSpec {
                 "spec.agent.gpu.visibleDevices",
                 &gpu.visible_devices,
                 "must not be empty (all, none, or a list of GPU UUIDs or indexes)",
+            ));
+        }
+        if gpu.enabled && gpu.mode == GpuMode::Claim && agent.resource_claims.is_empty() {
+            out.push(Error::invalid(
+                "spec.agent.gpu.mode",
+                "Claim",
+                "Claim mode needs the claim that brings the GPUs in spec.agent.resourceClaims",
+            ));
+        }
+        if gpu.enabled && gpu.mode == GpuMode::Cdi && gpu.cdi_devices.is_empty() {
+            out.push(Error::invalid(
+                "spec.agent.gpu.cdiDevices",
+                "[]",
+                "Cdi mode names at least one device (management.nvidia.com/gpu=all: every GPU)",
             ));
         }
         for (i, dev) in gpu.cdi_devices.iter().enumerate() {
@@ -595,6 +609,22 @@ mod tests {
         assert!(
             m.iter()
                 .any(|e| e.contains("spec.agent.gpu.visibleDevices")),
+            "{m:?}"
+        );
+        let mut none = spec();
+        none.agent.gpu.enabled = true;
+        none.agent.gpu.cdi_devices.clear();
+        let m = messages(&none);
+        assert!(
+            m.len() == 1 && m[0].contains("spec.agent.gpu.cdiDevices"),
+            "{m:?}"
+        );
+        none.agent.gpu.mode = GpuMode::Env;
+        assert!(messages(&none).is_empty(), "Env mode names no CDI device");
+        none.agent.gpu.mode = GpuMode::Claim;
+        let m = messages(&none);
+        assert!(
+            m.len() == 1 && m[0].contains("spec.agent.gpu.mode"),
             "{m:?}"
         );
     }

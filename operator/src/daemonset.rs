@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kvfabric_crds::{Pool, TransferFabric};
+use kvfabric_crds::{GpuMode, Pool, TransferFabric};
 
 use crate::Result;
 use crate::config::AgentSettings;
@@ -25,8 +25,9 @@ use crate::meta::{
 
 /// Pod annotation Multus reads to attach secondary (e.g. SR-IOV) networks.
 pub const MULTUS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/networks";
-/// Pod annotation with the fabric's CDI devices, for runtimes that inject CDI devices from it.
-pub const CDI_ANNOTATION: &str = "cdi.k8s.io/kvfabric-agent";
+/// Pod annotation the NVIDIA Container Toolkit's NRI plugin reads: CDI devices for the agent
+/// container (`nvidia.cdi.k8s.io/container.<container>`).
+pub const CDI_ANNOTATION: &str = "nvidia.cdi.k8s.io/container.agent";
 /// Pod template annotation with the hash of the fabric's ConfigMap: the agents read the map
 /// through `envFrom` at start only, so a change of it must roll them.
 pub const CONFIG_HASH_ANNOTATION: &str = "kvfabric.io/config-hash";
@@ -110,11 +111,15 @@ fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
         value_env(e::METRICS_ADDR, addr(contract::METRICS_PORT)),
     ];
     if agent.gpu.enabled {
-        env.push(value_env(
-            e::NVIDIA_VISIBLE_DEVICES,
-            &agent.gpu.visible_devices,
-        ));
-        env.push(value_env(e::NVIDIA_DRIVER_CAPABILITIES, "compute,utility"));
+        // In Cdi mode the variable stays unset: under the NVIDIA runtime its legacy hook
+        // would inject a second time what the CDI device already brings.
+        if agent.gpu.mode == GpuMode::Env {
+            env.push(value_env(
+                e::NVIDIA_VISIBLE_DEVICES,
+                &agent.gpu.visible_devices,
+            ));
+            env.push(value_env(e::NVIDIA_DRIVER_CAPABILITIES, "compute,utility"));
+        }
         env.push(value_env(
             e::CUDA_CACHE_PATH,
             format!("{}/cuda-cache", contract::TMP_DIR),
@@ -352,7 +357,7 @@ fn annotations(fabric: &TransferFabric, config_hash: &str) -> BTreeMap<String, S
     if !agent.networks.is_empty() {
         out.insert(MULTUS_ANNOTATION.to_owned(), agent.networks.join(","));
     }
-    if agent.gpu.enabled && !agent.gpu.cdi_devices.is_empty() {
+    if agent.gpu.enabled && agent.gpu.mode == GpuMode::Cdi {
         out.insert(CDI_ANNOTATION.to_owned(), agent.gpu.cdi_devices.join(","));
     }
     out
@@ -921,6 +926,8 @@ mod tests {
 
     #[test]
     fn gpu_access_without_a_gpu_request_or_runtime_class() {
+        // Cdi mode (the default): the NRI plugin's annotation names the management device;
+        // no NVIDIA_VISIBLE_DEVICES, which the NVIDIA runtime's hook would inject again.
         let f = full();
         let ds = build(&f, 0);
         assert_eq!(
@@ -928,12 +935,20 @@ mod tests {
             None,
             "no RuntimeClass by default"
         );
-        let c = agent(&ds);
-        assert_eq!(val(c, "NVIDIA_VISIBLE_DEVICES").as_deref(), Some("all"));
         assert_eq!(
-            val(c, "NVIDIA_DRIVER_CAPABILITIES").as_deref(),
-            Some("compute,utility")
+            annotations(&ds)
+                .get("nvidia.cdi.k8s.io/container.agent")
+                .map(String::as_str),
+            Some("management.nvidia.com/gpu=all")
         );
+        assert_eq!(
+            agent(&ds).name,
+            "agent",
+            "the annotation names this container"
+        );
+        let c = agent(&ds);
+        assert!(env_value(c, "NVIDIA_VISIBLE_DEVICES").is_none());
+        assert!(env_value(c, "NVIDIA_DRIVER_CAPABILITIES").is_none());
         assert_eq!(
             val(c, "CUDA_CACHE_PATH").as_deref(),
             Some("/tmp/cuda-cache")
@@ -945,16 +960,37 @@ mod tests {
                 .any(|m| m.mount_path == "/tmp" && m.name == "tmp"),
             "the JIT cache needs a writable /tmp on a read-only root"
         );
+        let mut two = full();
+        two.spec.agent.gpu.cdi_devices = vec!["nvidia.com/gpu=0".into(), "nvidia.com/gpu=1".into()];
         assert_eq!(
-            annotations(&ds).get(CDI_ANNOTATION).map(String::as_str),
-            Some("nvidia.com/gpu=all")
+            annotations(&build(&two, 0))
+                .get(CDI_ANNOTATION)
+                .map(String::as_str),
+            Some("nvidia.com/gpu=0,nvidia.com/gpu=1")
         );
-        let mut with_class = full();
-        with_class.spec.agent.gpu.runtime_class_name = Some("nvidia".into());
+
+        // Env mode (the legacy runtime): the variable, no annotation, a RuntimeClass if set.
+        let mut env = full();
+        env.spec.agent.gpu.mode = GpuMode::Env;
+        env.spec.agent.gpu.runtime_class_name = Some("nvidia".into());
+        let ds = build(&env, 0);
+        let c = agent(&ds);
+        assert_eq!(val(c, "NVIDIA_VISIBLE_DEVICES").as_deref(), Some("all"));
         assert_eq!(
-            pod(&build(&with_class, 0)).runtime_class_name.as_deref(),
-            Some("nvidia")
+            val(c, "NVIDIA_DRIVER_CAPABILITIES").as_deref(),
+            Some("compute,utility")
         );
+        assert!(!annotations(&ds).contains_key(CDI_ANNOTATION));
+        assert_eq!(pod(&ds).runtime_class_name.as_deref(), Some("nvidia"));
+
+        // Claim mode (DRA admin access): the claim brings the GPUs; neither.
+        let mut claim = full();
+        claim.spec.agent.gpu.mode = GpuMode::Claim;
+        let ds = build(&claim, 0);
+        assert!(env_value(agent(&ds), "NVIDIA_VISIBLE_DEVICES").is_none());
+        assert!(!annotations(&ds).contains_key(CDI_ANNOTATION));
+
+        // GPU access off: neither.
         let min = minimal();
         let ds = build(&min, 0);
         assert!(pod(&ds).runtime_class_name.is_none());

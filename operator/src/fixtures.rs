@@ -93,9 +93,7 @@ pub fn full() -> TransferFabric {
                 }],
                 gpu: GpuSpec {
                     enabled: true,
-                    visible_devices: "all".into(),
-                    runtime_class_name: None,
-                    cdi_devices: vec!["nvidia.com/gpu=all".into()],
+                    ..GpuSpec::default()
                 },
                 sockets: SocketSpec {
                     group: 2000,
