@@ -310,6 +310,19 @@ fn check_restricted(pod: &PodSpec, what: &str) {
     );
 }
 
+/// `--fabrics=` of the rendered uninstall Job.
+fn uninstall_mode(docs: &[Value]) -> Option<String> {
+    docs.iter()
+        .filter(|d| d["kind"] == "Job")
+        .flat_map(|d| {
+            d["spec"]["template"]["spec"]["containers"][0]["args"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .find_map(|a| a.as_str()?.strip_prefix("--fabrics=").map(str::to_owned))
+}
+
 fn check_uninstall_job(j: &Job, what: &str) {
     let pod = pod_spec_of(j.spec.as_ref().and_then(|s| s.template.spec.as_ref()), what);
     check_restricted(pod, what);
@@ -538,6 +551,12 @@ fn rendered_manifests_are_strictly_valid() {
                 assert!(!has(absent), "{name}: {absent} is optional");
             }
             check_default_images(&docs);
+            // `helm uninstall` keeps every tenant's fabrics unless deleting them was asked for.
+            assert_eq!(
+                uninstall_mode(&docs).as_deref(),
+                Some("orphan"),
+                "{name}: the default uninstall deletes fabrics"
+            );
         }
         if name == "all-features.yaml" {
             for needed in [
@@ -549,6 +568,7 @@ fn rendered_manifests_are_strictly_valid() {
             ] {
                 assert!(has(needed), "{name}: no {needed}");
             }
+            assert_eq!(uninstall_mode(&docs).as_deref(), Some("delete"), "{name}");
             // watchNamespace: Roles in that namespace only, no ClusterRole for the operator.
             assert!(
                 !has("ClusterRole"),
