@@ -245,6 +245,22 @@ fn check_deployment(d: &Deployment, what: &str) {
     let pod = pod_spec_of(d.spec.as_ref().and_then(|s| s.template.spec.as_ref()), what);
     check_restricted(pod, what);
     let c = &pod.containers[0];
+    // An upgrade never runs two operators side by side unless they elect a leader.
+    let elects = c
+        .args
+        .iter()
+        .flatten()
+        .any(|a| a == "--leader-election");
+    let strategy = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.strategy.as_ref())
+        .and_then(|s| s.type_.as_deref());
+    assert_eq!(
+        strategy,
+        Some(if elects { "RollingUpdate" } else { "Recreate" }),
+        "{what}: leader election {elects}"
+    );
     let path = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
         p.as_ref()
             .and_then(|p| p.http_get.as_ref())
