@@ -35,7 +35,8 @@ pub const MAX_KEY_PREFIX: usize = 64;
     status = "TransferFabricStatus",
     printcolumn = r#"{"name":"Pools","type":"string","jsonPath":".spec.pools[*].name"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    validation = Rule::new(crate::validate::FABRIC_NAME_RULE).message("the name must be a DNS-1035 label of at most 56 characters (lower-case letters, digits and '-', starting with a letter): <name>-agents names the agents' Service")
 )]
 #[x_kube(
     validation = Rule::new("size(self.pools) >= 1").message("at least one pool is required"),

@@ -12,3 +12,4 @@ pub use error::{Error, Result};
 pub use fabric::*;
 pub use manifest::{CRD_FILE, crd_yaml, crd_yaml_path};
 pub use transport::Transport;
+pub use validate::{FABRIC_NAME_RULE, MAX_FABRIC_NAME, fabric_name_problem};

@@ -20,6 +20,34 @@ fn is_dns_label(s: &str) -> bool {
         && bytes[bytes.len() - 1] != b'-'
 }
 
+/// Longest fabric name: `<fabric>-agents`, the agents' Service, is a DNS-1035 label (≤ 63).
+pub const MAX_FABRIC_NAME: usize = 56;
+
+/// The CRD's CEL rule for the fabric's name, the same check as [`fabric_name_problem`]: the
+/// API server accepts any DNS subdomain as a custom resource's name, but the Service the
+/// operator derives from it needs a DNS-1035 label.
+pub const FABRIC_NAME_RULE: &str =
+    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 56";
+
+/// Why `name` cannot name a fabric, if it cannot: it must be a DNS-1035 label of at most
+/// [`MAX_FABRIC_NAME`] characters (no dots, starting with a letter).
+pub fn fabric_name_problem(name: &str) -> Option<Error> {
+    let ok = is_dns_label(name)
+        && name.len() <= MAX_FABRIC_NAME
+        && name.as_bytes()[0].is_ascii_lowercase();
+    (!ok).then(|| {
+        Error::invalid(
+            "metadata.name",
+            name,
+            format!(
+                "must be a DNS-1035 label of at most {MAX_FABRIC_NAME} characters (lower-case \
+                 letters, digits and '-', starting with a letter): <name>-agents names the \
+                 agents' Service"
+            ),
+        )
+    })
+}
+
 /// The resource the agent must never take: every GPU stays schedulable for the workers.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 
@@ -586,6 +614,27 @@ mod tests {
         });
         let m = messages(&s);
         assert!(m[0].contains("spec.agent.resources.limits"), "{m:?}");
+    }
+
+    #[test]
+    fn fabric_names_are_dns_1035_labels_short_enough_for_the_service() {
+        for ok in ["a", "tf", "llama-70b", &"a".repeat(MAX_FABRIC_NAME)] {
+            assert!(fabric_name_problem(ok).is_none(), "{ok}");
+        }
+        for bad in [
+            "llama.70b",
+            "7b",
+            "-a",
+            "a-",
+            "Llama",
+            "",
+            &"a".repeat(MAX_FABRIC_NAME + 1),
+        ] {
+            let e = fabric_name_problem(bad).expect(bad).to_string();
+            assert!(e.contains("metadata.name"), "{e}");
+        }
+        // The CRD's rule carries the same bound.
+        assert!(FABRIC_NAME_RULE.contains(&format!("<= {MAX_FABRIC_NAME}")));
     }
 
     #[test]

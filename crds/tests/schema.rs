@@ -472,3 +472,29 @@ fn cel_rejects_duplicate_transports() {
     let err = cel(&o).expect_err("duplicate transports must fail");
     assert!(err.contains("transports must be unique"), "{err}");
 }
+
+#[test]
+fn cel_takes_only_fabric_names_that_can_name_the_service() {
+    for ok in [
+        "tf",
+        "llama-70b",
+        &"a".repeat(kvfabric_crds::MAX_FABRIC_NAME),
+    ] {
+        let mut o = good();
+        o["metadata"]["name"] = json!(ok);
+        cel(&o).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        assert!(kvfabric_crds::fabric_name_problem(ok).is_none(), "{ok}");
+    }
+    for bad in [
+        "llama.70b",
+        "7b",
+        &"a".repeat(kvfabric_crds::MAX_FABRIC_NAME + 1),
+    ] {
+        let mut o = good();
+        o["metadata"]["name"] = json!(bad);
+        let err = cel(&o).expect_err(bad);
+        assert!(err.contains("DNS-1035"), "{bad}: {err}");
+        // The operator's own check (no admission webhook) agrees.
+        assert!(kvfabric_crds::fabric_name_problem(bad).is_some(), "{bad}");
+    }
+}

@@ -3,27 +3,21 @@
 //!
 //! [`TransferFabricSpec::problems`]: kvfabric_crds::TransferFabricSpec::problems
 
-use kvfabric_crds::{Error, TransferFabric};
+use kvfabric_crds::{Error, TransferFabric, fabric_name_problem};
 
 use crate::config::{AgentSettings, KubeVersion};
 use crate::contract;
 
-/// Longest fabric name: it is the value of the `kvfabric.io/fabric` label.
-pub const MAX_FABRIC_NAME: usize = 63;
-
 /// Every problem of the fabric, the CRD's checks first.
 pub fn problems(fabric: &TransferFabric, settings: &AgentSettings) -> Vec<Error> {
     let mut out = Vec::new();
-    if let Some(name) = &fabric.metadata.name
-        && name.len() > MAX_FABRIC_NAME
+    if let Some(e) = fabric
+        .metadata
+        .name
+        .as_deref()
+        .and_then(fabric_name_problem)
     {
-        out.push(Error::invalid(
-            "metadata.name",
-            name,
-            format!(
-                "must be at most {MAX_FABRIC_NAME} characters: it is a label value of every agent"
-            ),
-        ));
+        out.push(e);
     }
     out.extend(fabric.spec.problems());
     let agent = &fabric.spec.agent;
@@ -151,9 +145,14 @@ mod tests {
     }
 
     #[test]
-    fn long_fabric_names_are_refused() {
-        let mut f = minimal();
-        f.metadata.name = Some("a".repeat(64));
-        assert!(messages(&f, &AgentSettings::default())[0].contains("metadata.name"));
+    fn fabric_names_that_cannot_name_the_service_are_refused() {
+        for bad in ["a".repeat(57), "llama.70b".into(), "7b".into()] {
+            let mut f = minimal();
+            f.metadata.name = Some(bad.clone());
+            assert!(
+                messages(&f, &AgentSettings::default())[0].contains("metadata.name"),
+                "{bad}"
+            );
+        }
     }
 }

@@ -246,11 +246,7 @@ fn check_deployment(d: &Deployment, what: &str) {
     check_restricted(pod, what);
     let c = &pod.containers[0];
     // An upgrade never runs two operators side by side unless they elect a leader.
-    let elects = c
-        .args
-        .iter()
-        .flatten()
-        .any(|a| a == "--leader-election");
+    let elects = c.args.iter().flatten().any(|a| a == "--leader-election");
     let strategy = d
         .spec
         .as_ref()
