@@ -143,9 +143,43 @@ fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
     env
 }
 
+/// The agent container's CPU and memory when the fabric names none: requests keep it out of
+/// BestEffort (evicted first), limits let it into namespaces whose ResourceQuota counts
+/// `limits.*`. No CPU request would starve the tcp path's threads under load; 4 CPUs and
+/// 2 GiB leave room for its buffers and connections (docs/operator.md; override in
+/// `spec.agent.resources`).
+pub const AGENT_REQUESTS: [(&str, &str); 2] = [("cpu", "500m"), ("memory", "512Mi")];
+pub const AGENT_LIMITS: [(&str, &str); 2] = [("cpu", "4"), ("memory", "2Gi")];
+/// The socket directory's init container: a chown and a chmod.
+pub const INIT_REQUESTS: [(&str, &str); 2] = [("cpu", "10m"), ("memory", "16Mi")];
+pub const INIT_LIMITS: [(&str, &str); 2] = [("cpu", "100m"), ("memory", "64Mi")];
+
+fn quantities(list: &[(&str, &str)]) -> Option<BTreeMap<String, Quantity>> {
+    Some(
+        list.iter()
+            .map(|(k, v)| ((*k).to_owned(), Quantity((*v).to_owned())))
+            .collect(),
+    )
+}
+
+fn requirements(requests: &[(&str, &str)], limits: &[(&str, &str)]) -> ResourceRequirements {
+    ResourceRequirements {
+        requests: quantities(requests),
+        limits: quantities(limits),
+        ..ResourceRequirements::default()
+    }
+}
+
 fn resources(fabric: &TransferFabric) -> Option<ResourceRequirements> {
     let agent = &fabric.spec.agent;
-    let mut res = agent.resources.clone();
+    // The fabric's own resources stand as written (merging ours could put a default request
+    // above its limit); RDMA devices and claims are added to either.
+    let mut res = Some(
+        agent
+            .resources
+            .clone()
+            .unwrap_or_else(|| requirements(&AGENT_REQUESTS, &AGENT_LIMITS)),
+    );
     for rdma in agent.rdma.iter().flat_map(|r| &r.resources) {
         // Extended resources are limit-only: the scheduler sets the request equal to the limit.
         res.get_or_insert_with(ResourceRequirements::default)
@@ -341,6 +375,7 @@ fn socket_dir_container(fabric: &TransferFabric, settings: &AgentSettings) -> Co
             contract::socket::DEFAULT_DIR,
             false,
         )]),
+        resources: Some(requirements(&INIT_REQUESTS, &INIT_LIMITS)),
         ..Container::default()
     }
 }
@@ -801,10 +836,43 @@ mod tests {
     }
 
     #[test]
+    fn every_container_has_requests_and_limits_unless_the_fabric_names_its_own() {
+        // ResourceQuota namespaces refuse containers without them; BestEffort goes first.
+        let ds = build(&minimal(), 0);
+        let q = |m: &Option<BTreeMap<String, Quantity>>, k: &str| {
+            m.as_ref().and_then(|m| m.get(k)).map(|q| q.0.clone())
+        };
+        let pod = pod(&ds);
+        let init = &pod.init_containers.as_ref().expect("init")[0];
+        for (c, requests, limits) in [
+            (agent(&ds), AGENT_REQUESTS, AGENT_LIMITS),
+            (init, INIT_REQUESTS, INIT_LIMITS),
+        ] {
+            let r = c.resources.as_ref().expect(&c.name);
+            for (k, v) in requests {
+                assert_eq!(q(&r.requests, k).as_deref(), Some(v), "{} {k}", c.name);
+            }
+            for (k, v) in limits {
+                assert_eq!(q(&r.limits, k).as_deref(), Some(v), "{} {k}", c.name);
+            }
+        }
+        // The fabric's own resources replace the defaults whole; RDMA devices are added.
+        let f = full();
+        let c = agent(&build(&f, 0)).clone();
+        let r = c.resources.expect("resources");
+        assert_eq!(
+            r.requests,
+            f.spec.agent.resources.as_ref().unwrap().requests,
+            "the fabric's requests as written"
+        );
+    }
+
+    #[test]
     fn without_rdma_the_agent_is_non_root_with_no_capability() {
         let ds = build(&minimal(), 0);
         let c = agent(&ds);
-        assert!(c.resources.is_none(), "no rdma, no resources");
+        let res = c.resources.as_ref().expect("default resources");
+        assert!(res.claims.is_none() && res.limits.as_ref().is_some_and(|l| l.len() == 2));
         let sc = c.security_context.as_ref().expect("sc");
         let caps = sc.capabilities.as_ref().expect("caps");
         assert_eq!(caps.add, None);
