@@ -86,6 +86,9 @@ struct State {
     lease: Option<Value>,
     /// Secrets a GET by name finds.
     secrets: Vec<Value>,
+    /// `(plural, object)`: what a GET by name of a ServiceAccount, ConfigMap, Service or
+    /// DaemonSet finds (DaemonSets also in `existing`); anything else is 404.
+    children: Vec<(&'static str, Value)>,
 }
 
 /// JSON merge patch (RFC 7386): what SSA and strategic merge amount to for a Lease's scalars.
@@ -262,6 +265,35 @@ impl Fake {
                     // Watches stay open and quiet, like an API server with no changes.
                     hung.push(send);
                     continue;
+                }
+                if s.method == Method::GET {
+                    let mut segs = p.rsplit('/');
+                    let (name, plural) = (
+                        segs.next().unwrap_or_default(),
+                        segs.next().unwrap_or_default(),
+                    );
+                    if matches!(
+                        plural,
+                        "serviceaccounts" | "configmaps" | "services" | "daemonsets"
+                    ) {
+                        let existing_ds = state
+                            .existing
+                            .iter()
+                            .filter(|_| plural == "daemonsets")
+                            .filter_map(|d| serde_json::to_value(d).ok());
+                        let found = state
+                            .children
+                            .iter()
+                            .filter(|(k, _)| *k == plural)
+                            .map(|(_, o)| o.clone())
+                            .chain(existing_ds)
+                            .find(|o| o["metadata"]["name"] == name);
+                        match found {
+                            Some(o) => respond(send, StatusCode::OK, &o),
+                            None => respond(send, StatusCode::NOT_FOUND, &status_body(404)),
+                        }
+                        continue;
+                    }
                 }
                 let list = |items: Vec<Value>| {
                     json!({"apiVersion": "v1", "kind": "List",
@@ -631,7 +663,7 @@ async fn finalized_fabric_applies_children_and_status() {
     let list = fake
         .seen()
         .into_iter()
-        .find(|s| s.method == Method::GET)
+        .find(|s| s.method == Method::GET && s.path.ends_with("/daemonsets"))
         .expect("listed daemonsets");
     assert_eq!(list.param("labelSelector"), Some("kvfabric.io/fabric=tf"));
     let events = fake.events();
@@ -1535,4 +1567,81 @@ async fn uninstall_orphan_keeps_fabrics_and_drops_only_our_finalizer() {
         json!(["example.com/other"])
     );
     assert_eq!(patch.body["metadata"]["resourceVersion"], "7");
+}
+
+/// A fabric never adopts an object of a child's name that is not its own: applying would take
+/// it over and garbage collection would delete it with the fabric.
+async fn blocked_by(plural: &'static str, existing: Value) -> (Action, Fake) {
+    let (client, fake) = Fake::start(State {
+        children: vec![(plural, existing)],
+        ds_status: (2, 2),
+        ..State::default()
+    });
+    let action = reconcile(Arc::new(finalized(full())), context(client, Arc::default()))
+        .await
+        .expect("a refusal, not an error to retry fast");
+    (action, fake)
+}
+
+#[tokio::test]
+async fn an_existing_service_account_it_does_not_own_is_left_alone_and_named() {
+    let sa = json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                    "metadata": {"name": "tf-agent", "namespace": NS}});
+    let (action, fake) = blocked_by("serviceaccounts", sa).await;
+    assert_eq!(action, Action::requeue(Duration::from_secs(60)));
+    let applied: Vec<String> = fake.applies().into_iter().map(|s| s.path).collect();
+    assert_eq!(
+        applied,
+        vec!["/apis/kvfabric.io/v1alpha1/namespaces/llm/transferfabrics/tf/status"],
+        "nothing but the status"
+    );
+    let st = &fake.status_patches()[0].body["status"];
+    let degraded = condition(st, "Degraded");
+    assert_eq!(degraded["status"], "True");
+    assert_eq!(degraded["reason"], "NotOwned");
+    let msg = degraded["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("ServiceAccount llm/tf-agent") && msg.contains("no owner"),
+        "{msg}"
+    );
+    let events = fake.events();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.body["reason"] == "NotOwned" && e.body["type"] == "Warning"),
+        "{events:#?}"
+    );
+}
+
+#[tokio::test]
+async fn another_fabrics_daemonset_of_the_same_name_is_not_taken_over() {
+    // `a` with pool `b-c` and `a-b` with pool `c` both derive `a-b-c-agent`; here the
+    // DaemonSet `tf-decode-agent` belongs to another fabric.
+    let mut other =
+        serde_json::to_value(owned_ds("decode", "uid-of-another-fabric")).expect("json");
+    other["metadata"]["ownerReferences"][0]["name"] = json!("tf-decode-twin");
+    let (_, fake) = blocked_by("daemonsets", other).await;
+    let applied: Vec<String> = fake.applies().into_iter().map(|s| s.path).collect();
+    assert!(
+        applied
+            .iter()
+            .any(|p| p.ends_with("/daemonsets/tf-prefill-agent")),
+        "its own pools are applied before: {applied:?}"
+    );
+    assert!(
+        !applied
+            .iter()
+            .any(|p| p.ends_with("/daemonsets/tf-decode-agent")),
+        "{applied:?}"
+    );
+    let st = &fake.status_patches()[0].body["status"];
+    let msg = condition(st, "Degraded")["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        msg.contains("DaemonSet llm/tf-decode-agent")
+            && msg.contains("owned by TransferFabric tf-decode-twin"),
+        "{msg}"
+    );
 }

@@ -54,6 +54,21 @@ pub enum Error {
         key: String,
     },
 
+    /// An object the fabric would create exists and is not the fabric's: the operator never
+    /// adopts it (applying would take it over, and garbage collection would later delete it
+    /// with the fabric). Another fabric's child of the same name is the same case.
+    #[error(
+        "{kind} {name} exists and is not this fabric's ({owner}): rename or delete it, or rename the fabric"
+    )]
+    NotOwned {
+        /// Its kind, e.g. `ServiceAccount`.
+        kind: String,
+        /// `namespace/name`.
+        name: String,
+        /// Who owns it, e.g. `owned by TransferFabric a`, or `no owner`.
+        owner: String,
+    },
+
     /// The CRD is not installed in the cluster.
     #[error(
         "CRD {crd} is not installed; install it with: helm install kvfabric charts/kvfabric -n kvfabric --create-namespace or kubectl apply -f charts/kvfabric/crds/"
@@ -151,6 +166,7 @@ impl Error {
             Error::MissingField { .. } => "missing_field",
             Error::SecretKey { .. } => "secret_key",
             Error::CrdNotInstalled { .. } => "crd_missing",
+            Error::NotOwned { .. } => "not_owned",
             Error::Registry { .. } => "registry",
             Error::Config { .. } => "config",
             Error::Leader { .. } => "leader",

@@ -44,6 +44,8 @@ use kvfabric_rt::KeyedBackoff;
 const REQUEUE_READY: Duration = Duration::from_secs(300);
 /// Requeue while agents are still coming up.
 const REQUEUE_PROGRESSING: Duration = Duration::from_secs(30);
+/// How soon a fabric blocked by an object it does not own looks again.
+const REQUEUE_NOT_OWNED: Duration = Duration::from_secs(60);
 
 /// What every reconcile shares.
 #[derive(Clone)]
@@ -182,6 +184,45 @@ async fn publish(
     }
 }
 
+/// Applies `obj`, one of `fabric`'s children, unless an object of its name exists that the
+/// fabric does not own ([`Error::NotOwned`]): applying would adopt it.
+async fn ssa_owned<K>(api: &Api<K>, obj: &K, fabric: &TransferFabric) -> Result<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    let existing = api
+        .get_opt(&name)
+        .await
+        .map_err(|e| Error::kube(format!("get {} {name}", K::kind(&())), e))?;
+    if let Some(existing) = existing {
+        let uid = fabric.metadata.uid.as_deref().unwrap_or_default();
+        let refs = existing
+            .meta()
+            .owner_references
+            .as_deref()
+            .unwrap_or_default();
+        if !refs.iter().any(|o| o.uid == uid) {
+            let owner = refs
+                .iter()
+                .find(|o| o.controller == Some(true))
+                .or(refs.first())
+                .map_or("no owner".to_owned(), |o| {
+                    format!("owned by {} {}", o.kind, o.name)
+                });
+            return Err(Error::NotOwned {
+                kind: K::kind(&()).into_owned(),
+                name: format!(
+                    "{}/{name}",
+                    existing.meta().namespace.as_deref().unwrap_or_default()
+                ),
+                owner,
+            });
+        }
+    }
+    ssa(api, obj).await
+}
+
 async fn ssa<K>(api: &Api<K>, obj: &K) -> Result<K>
 where
     K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
@@ -243,6 +284,20 @@ async fn apply(fabric: &TransferFabric, ctx: &Context) -> Result<Action> {
 
     match apply_children(fabric, ctx).await {
         Ok(action) => Ok(action),
+        Err(e @ Error::NotOwned { .. }) => {
+            // Not transient: the user renames or deletes one of the two. Children are watched
+            // only when owned, so look again now and then rather than wait for an event.
+            let message = e.to_string();
+            tracing::warn!(fabric = %object_key(fabric), %message, "not adopting");
+            let st = status::with_condition(
+                fabric,
+                ConditionValue::new(DEGRADED, true, "NotOwned", &message),
+                Timestamp::now(),
+            );
+            patch_status(ctx, fabric, &st).await?;
+            publish(ctx, fabric, EventType::Warning, "NotOwned", message).await;
+            Ok(Action::requeue(REQUEUE_NOT_OWNED))
+        }
         Err(e) => {
             publish(
                 ctx,
@@ -261,26 +316,29 @@ async fn apply_children(fabric: &TransferFabric, ctx: &Context) -> Result<Action
     let (name, ns) = name_and_namespace(fabric)?;
     let client = &ctx.client;
 
-    ssa(
+    ssa_owned(
         &Api::<ServiceAccount>::namespaced(client.clone(), &ns),
         &desired_service_account(fabric)?,
+        fabric,
     )
     .await?;
     let configmap = desired_configmap(fabric)?;
     let hash = config_hash(&configmap);
-    ssa(
+    ssa_owned(
         &Api::<ConfigMap>::namespaced(client.clone(), &ns),
         &configmap,
+        fabric,
     )
     .await?;
-    ssa(
+    ssa_owned(
         &Api::<Service>::namespaced(client.clone(), &ns),
         &desired_service(fabric)?,
+        fabric,
     )
     .await?;
     let np_api = Api::<NetworkPolicy>::namespaced(client.clone(), &ns);
     match desired_network_policy(fabric)? {
-        Some(np) => drop(ssa(&np_api, &np).await?),
+        Some(np) => drop(ssa_owned(&np_api, &np, fabric).await?),
         None => delete_owned_network_policy(fabric, &np_api, &name).await?,
     }
 
@@ -288,9 +346,10 @@ async fn apply_children(fabric: &TransferFabric, ctx: &Context) -> Result<Action
     let mut daemonsets = Vec::with_capacity(fabric.spec.pools.len());
     for pool in &fabric.spec.pools {
         daemonsets.push(
-            ssa(
+            ssa_owned(
                 &ds_api,
                 &desired_daemonset(fabric, pool, &ctx.agents, &hash)?,
+                fabric,
             )
             .await?,
         );
