@@ -4,11 +4,12 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapEnvSource, Container, ContainerPort, EmptyDirVolumeSource,
+    Affinity, Capabilities, ConfigMapEnvSource, Container, ContainerPort, EmptyDirVolumeSource,
     EnvFromSource, EnvVar, EnvVarSource, GRPCAction, HTTPGetAction, HostPathVolumeSource,
-    LocalObjectReference, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
-    ResourceClaim, ResourceRequirements, SeccompProfile, SecretKeySelector, SecretVolumeSource,
-    SecurityContext, Volume, VolumeMount,
+    LocalObjectReference, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceClaim,
+    ResourceRequirements, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext,
+    Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -398,6 +399,60 @@ fn annotations(fabric: &TransferFabric, config_hash: &str) -> BTreeMap<String, S
     out
 }
 
+/// The GPU Operator's node label for NVML clients that are not its own (26.7 and later): "true"
+/// on GPU nodes, `paused-for-driver-upgrade` (k8s-driver-manager) or `paused-for-mig-change`
+/// (mig-parted) while the driver or the MIG layout changes, back to "true" after.
+pub const GPU_CLIENT_LABEL: &str = "nvidia.com/gpu.deploy.client";
+
+/// The pool's affinity; with GPU access, also: on the node only while [`GPU_CLIENT_LABEL`] is
+/// "true" or absent (older GPU Operators, other clusters). The agent holds `/dev/nvidia*`
+/// without requesting a GPU, so the driver upgrade's pod eviction (GPU requests only, daemon
+/// pods skipped) never reaches it and the driver could not unload; flipping the label makes
+/// the DaemonSet controller remove it and bring it back after.
+fn affinity(fabric: &TransferFabric, pool: &Pool) -> Option<Affinity> {
+    let mut affinity = pool.affinity.clone();
+    if !fabric.spec.agent.gpu.enabled {
+        return affinity;
+    }
+    let requirement = |operator: &str, values: Option<Vec<String>>| NodeSelectorRequirement {
+        key: GPU_CLIENT_LABEL.to_owned(),
+        operator: operator.to_owned(),
+        values,
+    };
+    let either = [
+        requirement("In", Some(vec!["true".to_owned()])),
+        requirement("DoesNotExist", None),
+    ];
+    let required = affinity
+        .get_or_insert_with(Affinity::default)
+        .node_affinity
+        .get_or_insert_with(NodeAffinity::default)
+        .required_during_scheduling_ignored_during_execution
+        .get_or_insert_with(|| NodeSelector {
+            node_selector_terms: vec![NodeSelectorTerm::default()],
+        });
+    if required.node_selector_terms.is_empty() {
+        required
+            .node_selector_terms
+            .push(NodeSelectorTerm::default());
+    }
+    // Terms are ORed and a term's expressions ANDed: each of the pool's terms, once with each.
+    required.node_selector_terms = required
+        .node_selector_terms
+        .iter()
+        .flat_map(|term| {
+            either.iter().map(move |r| {
+                let mut t = term.clone();
+                t.match_expressions
+                    .get_or_insert_with(Vec::new)
+                    .push(r.clone());
+                t
+            })
+        })
+        .collect();
+    affinity
+}
+
 /// The desired DaemonSet `<fabric>-<pool>-agent`. `config_hash` is [`crate::configmap::config_hash`]
 /// of the fabric's ConfigMap.
 pub fn desired_daemonset(
@@ -454,7 +509,7 @@ pub fn desired_daemonset(
             .flatten(),
         node_selector: (!pool.node_selector.is_empty()).then(|| pool.node_selector.clone()),
         tolerations: (!pool.tolerations.is_empty()).then(|| pool.tolerations.clone()),
-        affinity: pool.affinity.clone(),
+        affinity: affinity(fabric, pool),
         image_pull_secrets: (!settings.pull_secrets.is_empty()).then(|| {
             settings
                 .pull_secrets
@@ -1067,6 +1122,54 @@ mod tests {
     }
 
     #[test]
+    fn gpu_agents_leave_a_node_while_the_gpu_operator_changes_its_driver_or_mig_layout() {
+        let terms = |f: &TransferFabric, pool: usize| -> Vec<Vec<(String, String)>> {
+            pod(&build(f, pool))
+                .affinity
+                .as_ref()
+                .and_then(|a| a.node_affinity.as_ref())
+                .and_then(|n| {
+                    n.required_during_scheduling_ignored_during_execution
+                        .as_ref()
+                })
+                .map(|r| {
+                    r.node_selector_terms
+                        .iter()
+                        .map(|t| {
+                            t.match_expressions
+                                .iter()
+                                .flatten()
+                                .map(|e| {
+                                    let v = e.values.clone().unwrap_or_default().join(",");
+                                    (e.key.clone(), format!("{} {v}", e.operator))
+                                })
+                                .collect()
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let client = |op: &str| (GPU_CLIENT_LABEL.to_owned(), op.to_owned());
+        let present = ("nvidia.com/gpu.present".to_owned(), "In true".to_owned());
+        let f = full();
+        // The pool's term, ANDed with each way the label allows the agent; the terms ORed.
+        assert_eq!(
+            terms(&f, 0),
+            vec![
+                vec![present.clone(), client("In true")],
+                vec![present, client("DoesNotExist ")],
+            ]
+        );
+        // A pool without affinity of its own: the label alone.
+        assert_eq!(
+            terms(&f, 1),
+            vec![vec![client("In true")], vec![client("DoesNotExist ")]]
+        );
+        // Without GPU access, nothing to release: no affinity added.
+        assert!(pod(&build(&minimal(), 0)).affinity.is_none());
+    }
+
+    #[test]
     fn resource_claims_are_wired_into_pod_and_container() {
         let f = full();
         let ds = build(&f, 0);
@@ -1112,7 +1215,9 @@ mod tests {
 
     #[test]
     fn scheduling_and_priority() {
-        let f = full();
+        let mut f = full();
+        // The pool's own affinity as written (GPU access adds to it: the next test).
+        f.spec.agent.gpu.enabled = false;
         let ds = build(&f, 0);
         let p = pod(&ds);
         assert_eq!(
