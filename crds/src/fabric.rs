@@ -35,6 +35,9 @@ pub const MAX_KEY_PREFIX: usize = 64;
     status = "TransferFabricStatus",
     printcolumn = r#"{"name":"Pools","type":"string","jsonPath":".spec.pools[*].name"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Agents","type":"integer","jsonPath":".status.agentsReady"}"#,
+    printcolumn = r#"{"name":"Desired","type":"integer","jsonPath":".status.agentsDesired"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
     validation = Rule::new(crate::validate::FABRIC_NAME_RULE).message("the name must be a DNS-1035 label of at most 56 characters (lower-case letters, digits and '-', starting with a letter): <name>-agents names the agents' Service")
 )]
@@ -471,7 +474,8 @@ pub struct TransferFabricStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
 
-    /// `Ready`, `Progressing`, `Degraded` and one `<pool>Ready` per pool.
+    /// `Ready`, `Progressing`, `Degraded`, kstatus's `Reconciling` and `Stalled`, and one
+    /// `<pool>Ready` per pool.
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     #[serde(default)]
     pub conditions: Vec<Condition>,
@@ -480,6 +484,13 @@ pub struct TransferFabricStatus {
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     #[serde(default)]
     pub pools: Vec<PoolStatus>,
+    /// Ready agents of every pool (`kubectl get tf` shows it beside `agentsDesired`).
+    #[serde(default)]
+    pub agents_ready: i32,
+
+    /// Nodes that should run an agent, over every pool.
+    #[serde(default)]
+    pub agents_desired: i32,
 }
 
 /// Agents of one pool, from its DaemonSet status.

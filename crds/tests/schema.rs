@@ -72,6 +72,9 @@ fn names_scope_and_printer_columns() {
         vec![
             ("Pools", ".spec.pools[*].name"),
             ("Ready", ".status.conditions[?(@.type==\"Ready\")].status"),
+            ("Reason", ".status.conditions[?(@.type==\"Ready\")].reason"),
+            ("Agents", ".status.agentsReady"),
+            ("Desired", ".status.agentsDesired"),
             ("Age", ".metadata.creationTimestamp"),
         ]
     );

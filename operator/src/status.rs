@@ -17,6 +17,11 @@ pub const READY: &str = "Ready";
 pub const PROGRESSING: &str = "Progressing";
 /// Condition type: the operator cannot do what the spec asks.
 pub const DEGRADED: &str = "Degraded";
+/// kstatus's abnormal-true conditions, which Flux, Argo CD and kpt read: `Reconciling` while
+/// the agents roll out (as `Progressing`), `Stalled` while the operator cannot go on without
+/// a change from the user (as `Degraded`).
+pub const RECONCILING: &str = "Reconciling";
+pub const STALLED: &str = "Stalled";
 
 /// Condition type of one pool.
 pub fn pool_condition_type(pool: &str) -> String {
@@ -138,27 +143,31 @@ pub fn observed_conditions(
         )
     });
     let progressing = !rolled_out(daemonsets) || !not_ready.is_empty();
-    out.push(if progressing {
-        ConditionValue::new(
-            PROGRESSING,
-            true,
-            "RollingOut",
-            "agent DaemonSets are rolling out",
-        )
-    } else {
-        ConditionValue::new(
-            PROGRESSING,
+    for type_ in [PROGRESSING, RECONCILING] {
+        out.push(if progressing {
+            ConditionValue::new(
+                type_,
+                true,
+                "RollingOut",
+                "agent DaemonSets are rolling out",
+            )
+        } else {
+            ConditionValue::new(
+                type_,
+                false,
+                "RolloutComplete",
+                "agent DaemonSets are up to date",
+            )
+        });
+    }
+    for type_ in [DEGRADED, STALLED] {
+        out.push(ConditionValue::new(
+            type_,
             false,
-            "RolloutComplete",
-            "agent DaemonSets are up to date",
-        )
-    });
-    out.push(ConditionValue::new(
-        DEGRADED,
-        false,
-        "AsExpected",
-        "the spec is applied",
-    ));
+            "AsExpected",
+            "the spec is applied",
+        ));
+    }
     out
 }
 
@@ -206,6 +215,15 @@ pub fn with_condition(
         .map(|c| ConditionValue::new(&c.type_, c.status == "True", &c.reason, &c.message))
         .collect();
     let degraded = value.type_ == DEGRADED && value.status;
+    if value.type_ == DEGRADED {
+        values.retain(|c| c.type_ != STALLED);
+        values.push(ConditionValue::new(
+            STALLED,
+            value.status,
+            &value.reason,
+            &value.message,
+        ));
+    }
     values.push(value);
     if degraded {
         // A degraded fabric is not ready, whatever its agents say.
@@ -227,7 +245,7 @@ pub fn with_condition(
     TransferFabricStatus {
         observed_generation: generation,
         conditions: merge_conditions(&old.conditions, values, generation, now),
-        pools: old.pools,
+        ..old
     }
 }
 
@@ -253,6 +271,8 @@ pub fn desired_status(
     TransferFabricStatus {
         observed_generation: fabric.metadata.generation,
         conditions: merge_conditions(old, values, fabric.metadata.generation, now),
+        agents_ready: pools.iter().map(|p| p.ready).sum(),
+        agents_desired: pools.iter().map(|p| p.desired).sum(),
         pools,
     }
 }
@@ -333,6 +353,10 @@ mod tests {
         assert_eq!(cond(&s, READY).status, "True");
         assert_eq!(cond(&s, PROGRESSING).status, "False");
         assert_eq!(cond(&s, DEGRADED).status, "False");
+        // kstatus: Current when neither abnormal-true condition is True.
+        assert_eq!(cond(&s, RECONCILING).status, "False");
+        assert_eq!(cond(&s, STALLED).status, "False");
+        assert_eq!((s.agents_ready, s.agents_desired), (5, 5));
         assert!(
             s.conditions
                 .iter()
@@ -350,6 +374,8 @@ mod tests {
         );
         assert_eq!(cond(&s, "prefillReady").status, "False");
         assert_eq!(cond(&s, "prefillReady").message, "1 of 2 agents ready");
+        assert_eq!(cond(&s, RECONCILING).status, "True", "kstatus: InProgress");
+        assert_eq!((s.agents_ready, s.agents_desired), (4, 5));
         assert_eq!(cond(&s, READY).status, "False");
         assert_eq!(
             cond(&s, READY).message,
@@ -483,6 +509,9 @@ mod tests {
         );
         assert_eq!(cond(&s, DEGRADED).status, "True");
         assert_eq!(cond(&s, DEGRADED).reason, "InvalidSpec");
+        assert_eq!(cond(&s, STALLED).status, "True", "kstatus: Failed");
+        assert_eq!(cond(&s, STALLED).reason, "InvalidSpec");
+        assert_eq!(s.agents_ready, 2, "the counts stay");
         assert_eq!(cond(&s, READY).status, "False");
         assert_eq!(cond(&s, "prefillReady").status, "True");
         assert_eq!(s.pools.len(), 2);
