@@ -42,12 +42,22 @@ pub fn daemonset_name(fabric: &str, pool: &str) -> String {
     format!("{fabric}-{pool}-agent")
 }
 
-/// Labels on every child of a fabric.
+/// Labels on every child of a fabric: Kubernetes' recommended ones (the fabric is the
+/// instance, kvfabric the application it is part of, the operator's version the version).
 pub fn fabric_labels(fabric: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (
             "app.kubernetes.io/name".to_owned(),
             "kvfabric-agent".to_owned(),
+        ),
+        ("app.kubernetes.io/instance".to_owned(), fabric.to_owned()),
+        (
+            "app.kubernetes.io/part-of".to_owned(),
+            "kvfabric".to_owned(),
+        ),
+        (
+            "app.kubernetes.io/version".to_owned(),
+            env!("CARGO_PKG_VERSION").to_owned(),
         ),
         (
             "app.kubernetes.io/managed-by".to_owned(),
@@ -55,6 +65,15 @@ pub fn fabric_labels(fabric: &str) -> BTreeMap<String, String> {
         ),
         (COMPONENT_LABEL.to_owned(), "agent".to_owned()),
         (FABRIC_LABEL.to_owned(), fabric.to_owned()),
+    ])
+}
+
+/// The fabric's agent pods, and nothing else: workers may carry the fabric label too (to be
+/// let through its NetworkPolicy), so the component label is part of every agent selector.
+pub fn agent_selector(fabric: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (FABRIC_LABEL.to_owned(), fabric.to_owned()),
+        (COMPONENT_LABEL.to_owned(), "agent".to_owned()),
     ])
 }
 
@@ -101,4 +120,27 @@ pub fn child_meta(
         owner_references: Some(vec![owner]),
         ..ObjectMeta::default()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn children_carry_the_recommended_labels_and_agent_selectors_only_agents() {
+        let l = fabric_labels("tf");
+        for (k, v) in [
+            ("app.kubernetes.io/name", "kvfabric-agent"),
+            ("app.kubernetes.io/instance", "tf"),
+            ("app.kubernetes.io/part-of", "kvfabric"),
+            ("app.kubernetes.io/version", env!("CARGO_PKG_VERSION")),
+            ("app.kubernetes.io/managed-by", MANAGER),
+        ] {
+            assert_eq!(l.get(k).map(String::as_str), Some(v), "{k}");
+        }
+        // The selector is a subset of the agents' labels, and more than the fabric label.
+        let sel = agent_selector("tf");
+        assert!(sel.iter().all(|(k, v)| l.get(k) == Some(v)));
+        assert!(sel.len() > 1 && sel.contains_key(COMPONENT_LABEL));
+    }
 }

@@ -3,8 +3,6 @@
 //! empty). Workers reach their agent over the Unix socket, so they need no rule. Egress stays
 //! open: etcd, OTLP collectors and peers live wherever the spec says.
 
-use std::collections::BTreeMap;
-
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
     NetworkPolicySpec,
@@ -16,8 +14,7 @@ use kvfabric_crds::TransferFabric;
 use crate::Result;
 use crate::contract;
 use crate::meta::{
-    COMPONENT_LABEL, FABRIC_LABEL, child_meta, fabric_labels, name_and_namespace,
-    network_policy_name,
+    agent_selector, child_meta, fabric_labels, name_and_namespace, network_policy_name,
 };
 
 /// Whether the fabric gets a NetworkPolicy: asked for, and meaningful. Policies do not apply to
@@ -28,10 +25,7 @@ pub fn wanted(fabric: &TransferFabric) -> bool {
 
 fn agents(fabric: &str) -> LabelSelector {
     LabelSelector {
-        match_labels: Some(BTreeMap::from([
-            (FABRIC_LABEL.to_owned(), fabric.to_owned()),
-            (COMPONENT_LABEL.to_owned(), "agent".to_owned()),
-        ])),
+        match_labels: Some(agent_selector(fabric)),
         ..LabelSelector::default()
     }
 }
@@ -78,6 +72,7 @@ pub fn desired_network_policy(fabric: &TransferFabric) -> Result<Option<NetworkP
 mod tests {
     use super::*;
     use crate::fixtures::{full, minimal};
+    use crate::meta::{COMPONENT_LABEL, FABRIC_LABEL};
 
     #[test]
     fn peers_and_data_only_from_the_fabric_metrics_from_the_listed_sources() {

@@ -1,14 +1,12 @@
 //! The headless Service that gives every agent a DNS name and exposes its ports.
 
-use std::collections::BTreeMap;
-
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvfabric_crds::TransferFabric;
 
 use crate::Result;
 use crate::contract::{DATA_PORT, GRPC_PORT, METRICS_PORT};
-use crate::meta::{FABRIC_LABEL, child_meta, fabric_labels, name_and_namespace, service_name};
+use crate::meta::{agent_selector, child_meta, fabric_labels, name_and_namespace, service_name};
 
 /// The desired headless Service `<fabric>-agents` selecting every pool's agents.
 pub fn desired_service(fabric: &TransferFabric) -> Result<Service> {
@@ -26,7 +24,7 @@ pub fn desired_service(fabric: &TransferFabric) -> Result<Service> {
             cluster_ip: Some("None".to_owned()),
             // Peers look each other up before they are ready (they register in etcd on their own).
             publish_not_ready_addresses: Some(true),
-            selector: Some(BTreeMap::from([(FABRIC_LABEL.to_owned(), name.clone())])),
+            selector: Some(agent_selector(&name)),
             ports: Some(vec![
                 port("grpc", GRPC_PORT),
                 port("data", DATA_PORT),
@@ -40,8 +38,11 @@ pub fn desired_service(fabric: &TransferFabric) -> Result<Service> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
     use crate::fixtures::full;
+    use crate::meta::FABRIC_LABEL;
 
     #[test]
     fn headless_with_grpc_data_and_metrics() {
@@ -50,7 +51,14 @@ mod tests {
         assert!(svc.metadata.owner_references.is_some());
         let spec = svc.spec.expect("spec");
         assert_eq!(spec.cluster_ip.as_deref(), Some("None"));
-        assert_eq!(spec.selector.expect("selector")[FABRIC_LABEL], "tf");
+        // Agents only: a worker with the fabric label is not an endpoint.
+        assert_eq!(
+            spec.selector.expect("selector"),
+            BTreeMap::from([
+                (FABRIC_LABEL.to_owned(), "tf".to_owned()),
+                ("app.kubernetes.io/component".to_owned(), "agent".to_owned()),
+            ])
+        );
         let ports: Vec<_> = spec
             .ports
             .expect("ports")

@@ -82,8 +82,10 @@ mod tests {
     #[test]
     fn reserved_env_is_refused() {
         // Overriding the key prefix would put the agents in another namespace's keys; the
-        // socket directory, another fabric's sockets.
+        // socket directory, another fabric's sockets; one agent name for every node, one
+        // registry entry for all of them.
         for name in [
+            "KVFABRIC_AGENT_NAME",
             "KVFABRIC_ETCD_KEY_PREFIX",
             "KVFABRIC_SOCKET_DIR",
             "KVFABRIC_FABRIC",

@@ -83,7 +83,8 @@ pub mod env {
     pub const CUDA_CACHE_PATH: &str = "CUDA_CACHE_PATH";
 
     /// Every name the operator may set.
-    pub const RESERVED: [&str; 27] = [
+    pub const RESERVED: [&str; 28] = [
+        AGENT_NAME,
         NODE_NAME,
         POD_IP,
         POD_NAME,
