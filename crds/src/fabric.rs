@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, KubeSchema};
 use schemars::{JsonSchema, Schema};
 use serde::{Deserialize, Serialize};
@@ -170,9 +171,16 @@ pub struct AgentSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<EnvVar>,
 
-    /// PriorityClass of the agent pods (node agents usually run at system-node-critical).
+    /// PriorityClass of the agent pods; `system-node-critical` when absent, as for the GPU
+    /// Operator's node agents: a node under pressure evicts workloads before the agent their
+    /// KV moves through.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority_class_name: Option<String>,
+
+    /// How many nodes' agents a rollout replaces at once (a number or a percentage of the
+    /// pool's nodes); 1 when absent. Each replaced agent's workers re-register with the new one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_unavailable: Option<IntOrString>,
 
     /// RDMA: devices from device plugins (or from `resourceClaims`), and the memory locking
     /// that registering buffers needs. No RDMA when absent.

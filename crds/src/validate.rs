@@ -4,6 +4,8 @@
 
 use std::collections::HashSet;
 
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
 use crate::{Error, GpuMode, MAX_KEY_PREFIX, Result, TransferFabricSpec, Transport};
 
 /// Longest pool name: `<fabric>-<pool>-agent` must stay a valid object name and label value.
@@ -238,6 +240,26 @@ impl TransferFabricSpec {
                 &gpu.visible_devices,
                 "must not be empty (all, none, or a list of GPU UUIDs or indexes)",
             ));
+        }
+        if let Some(m) = &agent.max_unavailable {
+            let ok = match m {
+                IntOrString::Int(n) => *n >= 1,
+                IntOrString::String(p) => p
+                    .strip_suffix('%')
+                    .and_then(|n| n.parse::<u8>().ok())
+                    .is_some_and(|n| (1..=100).contains(&n)),
+            };
+            if !ok {
+                let shown = match m {
+                    IntOrString::Int(n) => n.to_string(),
+                    IntOrString::String(p) => p.clone(),
+                };
+                out.push(Error::invalid(
+                    "spec.agent.maxUnavailable",
+                    shown,
+                    "a number of nodes (at least 1) or a percentage from 1% to 100%",
+                ));
+            }
         }
         if gpu.enabled && gpu.mode == GpuMode::Claim && agent.resource_claims.is_empty() {
             out.push(Error::invalid(
@@ -635,6 +657,24 @@ mod tests {
         }
         // The CRD's rule carries the same bound.
         assert!(FABRIC_NAME_RULE.contains(&format!("<= {MAX_FABRIC_NAME}")));
+    }
+
+    #[test]
+    fn max_unavailable_is_a_count_or_a_percentage() {
+        for (v, ok) in [
+            (IntOrString::Int(1), true),
+            (IntOrString::String("25%".into()), true),
+            (IntOrString::Int(0), false),
+            (IntOrString::String("0%".into()), false),
+            (IntOrString::String("150%".into()), false),
+            (IntOrString::String("two".into()), false),
+        ] {
+            let mut s = spec();
+            s.agent.max_unavailable = Some(v.clone());
+            let m = messages(&s);
+            assert_eq!(m.is_empty(), ok, "{v:?}: {m:?}");
+            assert!(m.iter().all(|e| e.contains("spec.agent.maxUnavailable")));
+        }
     }
 
     #[test]

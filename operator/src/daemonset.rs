@@ -2,7 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
+use k8s_openapi::api::apps::v1::{
+    DaemonSet, DaemonSetSpec, DaemonSetUpdateStrategy, RollingUpdateDaemonSet,
+};
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, ConfigMapEnvSource, Container, ContainerPort, EmptyDirVolumeSource,
     EnvFromSource, EnvVar, EnvVarSource, GRPCAction, HTTPGetAction, HostPathVolumeSource,
@@ -34,6 +36,8 @@ pub const CDI_ANNOTATION: &str = "nvidia.cdi.k8s.io/container.agent";
 pub const CONFIG_HASH_ANNOTATION: &str = "kvfabric.io/config-hash";
 /// Lets `kubectl logs`/`exec` pick the agent over the init container.
 pub const DEFAULT_CONTAINER_ANNOTATION: &str = "kubectl.kubernetes.io/default-container";
+/// PriorityClass of agents whose fabric names none (the GPU Operator's node agents run at it).
+pub const DEFAULT_PRIORITY_CLASS: &str = "system-node-critical";
 /// Name of the agent container.
 pub const AGENT_CONTAINER: &str = "agent";
 /// Name of the init container that prepares the socket directory.
@@ -501,7 +505,12 @@ pub fn desired_daemonset(
         dns_policy: agent
             .host_network
             .then(|| "ClusterFirstWithHostNet".to_owned()),
-        priority_class_name: agent.priority_class_name.clone(),
+        priority_class_name: Some(
+            agent
+                .priority_class_name
+                .clone()
+                .unwrap_or_else(|| DEFAULT_PRIORITY_CLASS.to_owned()),
+        ),
         runtime_class_name: agent
             .gpu
             .enabled
@@ -548,6 +557,20 @@ pub fn desired_daemonset(
                 match_labels: Some(pool_selector(&name, &pool.name)),
                 ..LabelSelector::default()
             },
+            update_strategy: Some(DaemonSetUpdateStrategy {
+                type_: Some("RollingUpdate".to_owned()),
+                rolling_update: Some(RollingUpdateDaemonSet {
+                    max_unavailable: Some(
+                        fabric
+                            .spec
+                            .agent
+                            .max_unavailable
+                            .clone()
+                            .unwrap_or(IntOrString::Int(1)),
+                    ),
+                    ..RollingUpdateDaemonSet::default()
+                }),
+            }),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(labels),
@@ -1243,6 +1266,26 @@ mod tests {
         assert!(pod(&ds).node_selector.is_none());
         assert!(pod(&ds).tolerations.is_none());
         assert!(pod(&ds).affinity.is_none());
+        // Without a class of its own: the node agents' default; one node at a time.
+        let min = build(&minimal(), 0);
+        assert_eq!(
+            pod(&min).priority_class_name.as_deref(),
+            Some(DEFAULT_PRIORITY_CLASS)
+        );
+        let mut own = minimal();
+        own.spec.agent.priority_class_name = Some("kvfabric".into());
+        own.spec.agent.max_unavailable = Some(IntOrString::String("10%".into()));
+        let own = build(&own, 0);
+        assert_eq!(pod(&own).priority_class_name.as_deref(), Some("kvfabric"));
+        let unavailable = |ds: &DaemonSet| {
+            ds.spec
+                .as_ref()
+                .and_then(|s| s.update_strategy.as_ref())
+                .and_then(|u| u.rolling_update.as_ref())
+                .and_then(|r| r.max_unavailable.clone())
+        };
+        assert_eq!(unavailable(&min), Some(IntOrString::Int(1)));
+        assert_eq!(unavailable(&own), Some(IntOrString::String("10%".into())));
     }
 
     #[test]

@@ -73,6 +73,7 @@ pub fn full() -> TransferFabric {
                     ..EnvVar::default()
                 }],
                 priority_class_name: Some("system-node-critical".into()),
+                max_unavailable: None,
                 rdma: Some(RdmaSpec {
                     resources: vec![
                         RdmaResource {
