@@ -43,6 +43,10 @@ refuse() { # what, then the command that must fail
 # replicas > 1 without leader election, and an unknown uninstall mode, are refused at render time.
 refuse "replicas=2 without leader election" helm template kvfabric "$chart" --set replicas=2
 refuse "uninstall.fabrics=Keep" helm template kvfabric "$chart" --set uninstall.fabrics=Keep
+# values.schema.json: a misspelt key and a wrongly typed value are refused at render time.
+refuse "a misspelt key (replica)" helm template kvfabric "$chart" --set replica=2
+refuse "metrics.port as a string" helm template kvfabric "$chart" --set-string metrics.port=http
+refuse "tracing.sampleRatio above 1" helm template kvfabric "$chart" --set tracing.sampleRatio=2
 # The chart refuses Kubernetes older than 1.29 (kubeVersion) and accepts 1.29.
 refuse "kube-version 1.28" helm template kvfabric "$chart" --kube-version 1.28.0
 helm template kvfabric "$chart" --kube-version 1.29.0 > /dev/null

@@ -17,6 +17,7 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, StatefulSet};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PodSpec, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kvfabric_crds::TransferFabric;
@@ -161,6 +162,13 @@ fn check(doc: &Value, file: &str) -> String {
             check_uninstall_job(&j, &what);
         }
         "StatefulSet" => drop(strict::<StatefulSet>(doc, &what)),
+        "PodDisruptionBudget" => {
+            let pdb: PodDisruptionBudget = strict(doc, &what);
+            assert!(
+                pdb.spec.and_then(|s| s.min_available).is_some(),
+                "{what}: keeps an operator through drains"
+            );
+        }
         "ConfigMap" => drop(strict::<ConfigMap>(doc, &what)),
         "Namespace" => drop(strict::<Namespace>(doc, &what)),
         "ServiceAccount" => drop(strict::<ServiceAccount>(doc, &what)),
@@ -559,7 +567,12 @@ fn rendered_manifests_are_strictly_valid() {
             ] {
                 assert!(has(needed), "{name}: no {needed}");
             }
-            for absent in ["NetworkPolicy", "ServiceMonitor", "Role"] {
+            for absent in [
+                "NetworkPolicy",
+                "ServiceMonitor",
+                "Role",
+                "PodDisruptionBudget",
+            ] {
                 assert!(!has(absent), "{name}: {absent} is optional");
             }
             check_default_images(&docs);
@@ -572,6 +585,7 @@ fn rendered_manifests_are_strictly_valid() {
         }
         if name == "all-features.yaml" {
             for needed in [
+                "PodDisruptionBudget",
                 "NetworkPolicy",
                 "ServiceMonitor",
                 "Role",
