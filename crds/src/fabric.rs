@@ -152,6 +152,7 @@ pub struct Pool {
 #[x_kube(
     validation = Rule::new("!(has(self.hostNetwork) && self.hostNetwork && has(self.networks) && size(self.networks) > 0)").message("Multus never attaches networks to a hostNetwork pod: set hostNetwork false, or drop networks"),
     validation = Rule::new("!has(self.resourceClaims) || self.resourceClaims.all(c, has(c.resourceClaimName) != has(c.resourceClaimTemplateName))").message("each resourceClaims entry names exactly one of resourceClaimName and resourceClaimTemplateName"),
+    validation = Rule::new("!has(self.ports) || (self.ports.grpc != self.ports.data && self.ports.grpc != self.ports.metrics && self.ports.data != self.ports.metrics)").message("the agent's grpc, data and metrics ports must differ"),
     validation = Rule::new("!has(self.rdma) || (has(self.rdma.resources) && size(self.rdma.resources) > 0) || (has(self.resourceClaims) && size(self.resourceClaims) > 0)").message("rdma needs its devices: name device plugin resources in rdma.resources, or resourceClaims that allocate them")
 )]
 #[serde(rename_all = "camelCase")]
@@ -165,6 +166,11 @@ pub struct AgentSpec {
     /// node addresses). NetworkPolicies do not apply to such pods: set `peerTokenSecret`.
     #[serde(default)]
     pub host_network: bool,
+
+    /// The agent's ports. With `hostNetwork` they are the node's ports: two fabrics (or pools
+    /// of overlapping nodes) on one node need different ones.
+    #[serde(default)]
+    pub ports: AgentPorts,
 
     /// Extra environment variables of the agent container (tuning such as `KVFABRIC_LOG` or
     /// `KVFABRIC_RDMA_DEVICES`); the variables the operator sets itself are refused.
@@ -315,6 +321,57 @@ impl Default for GpuSpec {
             visible_devices: default_visible_devices(),
             runtime_class_name: None,
         }
+    }
+}
+
+/// The agent's TCP ports.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentPorts {
+    /// Peer API (gRPC) and its health service.
+    #[schemars(range(min = 1, max = 65535))]
+    #[serde(default = "default_grpc_port")]
+    pub grpc: i32,
+    /// The engine's tcp data port.
+    #[schemars(range(min = 1, max = 65535))]
+    #[serde(default = "default_data_port")]
+    pub data: i32,
+    /// Prometheus metrics.
+    #[schemars(range(min = 1, max = 65535))]
+    #[serde(default = "default_metrics_port")]
+    pub metrics: i32,
+}
+
+fn default_grpc_port() -> i32 {
+    50051
+}
+
+fn default_data_port() -> i32 {
+    50052
+}
+
+fn default_metrics_port() -> i32 {
+    9090
+}
+
+impl Default for AgentPorts {
+    fn default() -> Self {
+        Self {
+            grpc: default_grpc_port(),
+            data: default_data_port(),
+            metrics: default_metrics_port(),
+        }
+    }
+}
+
+impl AgentPorts {
+    /// `(name, port)` of each, as the container and the Service name them.
+    pub fn named(&self) -> [(&'static str, i32); 3] {
+        [
+            ("grpc", self.grpc),
+            ("data", self.data),
+            ("metrics", self.metrics),
+        ]
     }
 }
 

@@ -241,6 +241,23 @@ impl TransferFabricSpec {
                 "must not be empty (all, none, or a list of GPU UUIDs or indexes)",
             ));
         }
+        let p = agent.ports;
+        if p.grpc == p.data || p.grpc == p.metrics || p.data == p.metrics {
+            out.push(Error::invalid(
+                "spec.agent.ports",
+                format!("grpc {}, data {}, metrics {}", p.grpc, p.data, p.metrics),
+                "three different ports",
+            ));
+        }
+        for (name, port) in p.named() {
+            if !(1..=65535).contains(&port) {
+                out.push(Error::invalid(
+                    format!("spec.agent.ports.{name}"),
+                    port,
+                    "a TCP port, 1 to 65535",
+                ));
+            }
+        }
         if let Some(m) = &agent.max_unavailable {
             let ok = match m {
                 IntOrString::Int(n) => *n >= 1,
@@ -657,6 +674,21 @@ mod tests {
         }
         // The CRD's rule carries the same bound.
         assert!(FABRIC_NAME_RULE.contains(&format!("<= {MAX_FABRIC_NAME}")));
+    }
+
+    #[test]
+    fn ports_are_three_different_tcp_ports() {
+        let mut s = spec();
+        s.agent.ports.data = s.agent.ports.grpc;
+        let m = messages(&s);
+        assert!(m.len() == 1 && m[0].contains("spec.agent.ports"), "{m:?}");
+        let mut s = spec();
+        s.agent.ports.metrics = 70000;
+        let m = messages(&s);
+        assert!(
+            m.len() == 1 && m[0].contains("spec.agent.ports.metrics"),
+            "{m:?}"
+        );
     }
 
     #[test]

@@ -501,3 +501,13 @@ fn cel_takes_only_fabric_names_that_can_name_the_service() {
         assert!(kvfabric_crds::fabric_name_problem(bad).is_some(), "{bad}");
     }
 }
+
+#[test]
+fn cel_refuses_one_port_for_two_uses() {
+    let mut o = good();
+    o["spec"]["agent"]["ports"] = json!({"grpc": 6000, "data": 6000, "metrics": 6001});
+    let err = cel(&o).expect_err("shared port");
+    assert!(err.contains("ports must differ"), "{err}");
+    o["spec"]["agent"]["ports"]["data"] = json!(6002);
+    cel(&o).expect("three ports");
+}

@@ -1645,3 +1645,33 @@ async fn another_fabrics_daemonset_of_the_same_name_is_not_taken_over() {
         "{msg}"
     );
 }
+
+#[tokio::test]
+async fn host_network_fabrics_on_shared_nodes_and_ports_are_refused() {
+    let mut mine = finalized(full());
+    mine.spec.agent.host_network = true;
+    mine.spec.pools[1]
+        .node_selector
+        .insert("kvfabric.io/role".into(), "decode".into());
+    let mut other = mine.clone();
+    other.metadata.name = Some("tf-b".into());
+    other.metadata.uid = Some("uid-b".into());
+    let (client, fake) = Fake::start(State {
+        listed: vec![mine.clone(), other],
+        ..State::default()
+    });
+    let action = reconcile(Arc::new(mine), context(client, Arc::default()))
+        .await
+        .expect("a refusal");
+    assert_eq!(action, Action::await_change());
+    let applied: Vec<String> = fake.applies().into_iter().map(|s| s.path).collect();
+    assert_eq!(applied.len(), 1, "only the status: {applied:?}");
+    let st = &fake.status_patches()[0].body["status"];
+    let degraded = condition(st, "Degraded");
+    assert_eq!(degraded["reason"], "InvalidSpec");
+    let msg = degraded["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("spec.agent.ports.grpc") && msg.contains("llm/tf-b"),
+        "{msg}"
+    );
+}

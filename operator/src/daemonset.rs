@@ -111,9 +111,9 @@ fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
         value_env(e::SOCKET_DIR, contract::socket::DEFAULT_DIR),
         value_env(e::SOCKET_GROUP, agent.sockets.group.to_string()),
         value_env(e::SOCKET_MODE, agent.sockets.mode.as_str()),
-        value_env(e::GRPC_ADDR, addr(contract::GRPC_PORT)),
-        value_env(e::DATA_ADDR, addr(contract::DATA_PORT)),
-        value_env(e::METRICS_ADDR, addr(contract::METRICS_PORT)),
+        value_env(e::GRPC_ADDR, addr(agent.ports.grpc)),
+        value_env(e::DATA_ADDR, addr(agent.ports.data)),
+        value_env(e::METRICS_ADDR, addr(agent.ports.metrics)),
     ];
     if agent.gpu.enabled {
         // In Cdi mode the variable stays unset: under the NVIDIA runtime its legacy hook
@@ -253,7 +253,7 @@ fn probe(fabric: &TransferFabric, health: Health, period: i32, failures: i32) ->
         };
         let get = HTTPGetAction {
             path: Some(path.to_owned()),
-            port: IntOrString::Int(contract::METRICS_PORT),
+            port: IntOrString::Int(fabric.spec.agent.ports.metrics),
             ..HTTPGetAction::default()
         };
         (None, Some(get))
@@ -263,7 +263,7 @@ fn probe(fabric: &TransferFabric, health: Health, period: i32, failures: i32) ->
             Health::Ready => contract::READY_SERVICE,
         };
         let grpc = GRPCAction {
-            port: contract::GRPC_PORT,
+            port: fabric.spec.agent.ports.grpc,
             service: (!service.is_empty()).then(|| service.to_owned()),
         };
         (Some(grpc), None)
@@ -318,11 +318,16 @@ fn agent_container(
             }),
             ..EnvFromSource::default()
         }]),
-        ports: Some(vec![
-            port("grpc", contract::GRPC_PORT),
-            port("data", contract::DATA_PORT),
-            port("metrics", contract::METRICS_PORT),
-        ]),
+        ports: Some(
+            fabric
+                .spec
+                .agent
+                .ports
+                .named()
+                .into_iter()
+                .map(|(name, number)| port(name, number))
+                .collect(),
+        ),
         // Up to a minute to bind and start serving; then a hung server is restarted, while an
         // agent that lost etcd or is draining only leaves the endpoints.
         startup_probe: Some(probe(fabric, Health::Live, 2, 30)),
@@ -830,7 +835,11 @@ mod tests {
             let p = p.as_ref().expect("probe");
             assert!(p.grpc.is_none(), "a gRPC probe cannot pass mTLS");
             let get = p.http_get.clone().expect("http probe");
-            assert_eq!(get.port, IntOrString::Int(contract::METRICS_PORT));
+            assert_eq!(
+                get.port,
+                IntOrString::Int(contract::METRICS_PORT),
+                "the default"
+            );
             get.path.unwrap_or_default()
         };
         assert_eq!(http(&c.readiness_probe), "/healthz");

@@ -11,8 +11,8 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::ObjectMeta;
 use kvfabric_crds::{
-    AgentSpec, EtcdSpec, GpuSpec, NetworkPolicySpec, Pool, PoolRole, RdmaResource, RdmaSpec,
-    SocketMode, SocketSpec, TracingSpec, TransferFabric, TransferFabricSpec, Transport,
+    AgentPorts, AgentSpec, EtcdSpec, GpuSpec, NetworkPolicySpec, Pool, PoolRole, RdmaResource,
+    RdmaSpec, SocketMode, SocketSpec, TracingSpec, TransferFabric, TransferFabricSpec, Transport,
 };
 
 pub const NS: &str = "llm";
@@ -67,6 +67,7 @@ pub fn full() -> TransferFabric {
                     ..ResourceRequirements::default()
                 }),
                 host_network: false,
+                ports: AgentPorts::default(),
                 env: vec![EnvVar {
                     name: "RUST_LOG".into(),
                     value: Some("debug".into()),

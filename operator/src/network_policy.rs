@@ -12,7 +12,6 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvfabric_crds::TransferFabric;
 
 use crate::Result;
-use crate::contract;
 use crate::meta::{
     agent_selector, child_meta, fabric_labels, name_and_namespace, network_policy_name,
 };
@@ -45,6 +44,7 @@ pub fn desired_network_policy(fabric: &TransferFabric) -> Result<Option<NetworkP
     }
     let (name, _) = name_and_namespace(fabric)?;
     let metrics_from = &fabric.spec.network_policy.metrics_from;
+    let ports = fabric.spec.agent.ports;
     Ok(Some(NetworkPolicy {
         metadata: child_meta(fabric, network_policy_name(&name), fabric_labels(&name))?,
         spec: Some(NetworkPolicySpec {
@@ -56,11 +56,11 @@ pub fn desired_network_policy(fabric: &TransferFabric) -> Result<Option<NetworkP
                         pod_selector: Some(agents(&name)),
                         ..NetworkPolicyPeer::default()
                     }]),
-                    ports: Some(vec![tcp(contract::GRPC_PORT), tcp(contract::DATA_PORT)]),
+                    ports: Some(vec![tcp(ports.grpc), tcp(ports.data)]),
                 },
                 NetworkPolicyIngressRule {
                     from: (!metrics_from.is_empty()).then(|| metrics_from.clone()),
-                    ports: Some(vec![tcp(contract::METRICS_PORT)]),
+                    ports: Some(vec![tcp(ports.metrics)]),
                 },
             ]),
             ..NetworkPolicySpec::default()

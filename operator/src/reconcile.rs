@@ -262,8 +262,33 @@ async fn patch_status(
     Ok(())
 }
 
+/// The fabrics this operator can see, for the host-port check: cluster-wide, or the fabric's
+/// namespace where the operator may only read that one (`watchNamespace`).
+async fn visible_fabrics(ctx: &Context, ns: &str) -> Result<Vec<TransferFabric>> {
+    let params = ListParams::default();
+    match Api::<TransferFabric>::all(ctx.client.clone())
+        .list(&params)
+        .await
+    {
+        Ok(list) => Ok(list.items),
+        Err(kube::Error::Api(s)) if s.code == 403 => {
+            Api::<TransferFabric>::namespaced(ctx.client.clone(), ns)
+                .list(&params)
+                .await
+                .map(|l| l.items)
+                .map_err(|e| Error::kube(format!("list TransferFabrics in {ns}"), e))
+        }
+        Err(e) => Err(Error::kube("list TransferFabrics", e)),
+    }
+}
+
 async fn apply(fabric: &TransferFabric, ctx: &Context) -> Result<Action> {
-    let problems = spec_checks::problems(fabric, &ctx.agents);
+    let mut problems = spec_checks::problems(fabric, &ctx.agents);
+    if fabric.spec.agent.host_network {
+        let (_, ns) = name_and_namespace(fabric)?;
+        let others = visible_fabrics(ctx, &ns).await?;
+        problems.extend(spec_checks::host_port_problems(fabric, &others));
+    }
     if !problems.is_empty() {
         let message = problems
             .iter()

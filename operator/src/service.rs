@@ -5,7 +5,6 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvfabric_crds::TransferFabric;
 
 use crate::Result;
-use crate::contract::{DATA_PORT, GRPC_PORT, METRICS_PORT};
 use crate::meta::{agent_selector, child_meta, fabric_labels, name_and_namespace, service_name};
 
 /// The desired headless Service `<fabric>-agents` selecting every pool's agents.
@@ -25,11 +24,16 @@ pub fn desired_service(fabric: &TransferFabric) -> Result<Service> {
             // Peers look each other up before they are ready (they register in etcd on their own).
             publish_not_ready_addresses: Some(true),
             selector: Some(agent_selector(&name)),
-            ports: Some(vec![
-                port("grpc", GRPC_PORT),
-                port("data", DATA_PORT),
-                port("metrics", METRICS_PORT),
-            ]),
+            ports: Some(
+                fabric
+                    .spec
+                    .agent
+                    .ports
+                    .named()
+                    .into_iter()
+                    .map(|(name, number)| port(name, number))
+                    .collect(),
+            ),
             ..ServiceSpec::default()
         }),
         ..Service::default()
