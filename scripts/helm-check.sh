@@ -73,6 +73,15 @@ grep -q "spec.agent.resourceClaims.*1.31" <<<"$dra_old" || {
     echo "helm-check: unexpected refusal of the DRA fabric for 1.29: $dra_old" >&2
     exit 1
 }
+# The fabric NOTES.txt tells a new user to apply (from a packaged chart, no repository at hand)
+# is one the operator renders.
+helm install kvfabric "$chart" --dry-run=client -n kvfabric 2>/dev/null \
+    | sed -n "/kubectl apply -f - <<'EOF'/,/^  EOF/p" | sed '1d;$d' | sed 's/^  //' > "$out/notes-fabric.yaml.in"
+grep -q "kind: TransferFabric" "$out/notes-fabric.yaml.in" || {
+    echo "helm-check: no TransferFabric example in NOTES.txt" >&2
+    exit 1
+}
+"$operator" render --kube-version 1.35 --file "$out/notes-fabric.yaml.in" > "$out/objects-notes-1.35.yaml"
 cp "$chart/examples/etcd.yaml" "$out/example-etcd.yaml"
 echo "helm-check: rendered into $out" >&2
 
