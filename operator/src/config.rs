@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use k8s_openapi::api::core::v1::Toleration;
 
 use crate::finalizer::CleanupPolicy;
 use crate::{Error, Result};
@@ -179,6 +180,16 @@ pub struct AgentFlags {
     /// sockets; workers mount that directory.
     #[arg(long, env = "KVFABRIC_SOCKET_ROOT", default_value = DEFAULT_SOCKET_ROOT, global = true)]
     pub socket_root: String,
+
+    /// Tolerations of every agent pod, added to each pool's own (JSON, a list of Kubernetes
+    /// tolerations): the taints a cluster puts on its GPU nodes, once for every fabric.
+    #[arg(
+        long,
+        env = "KVFABRIC_AGENT_TOLERATIONS",
+        default_value = "[]",
+        global = true
+    )]
+    pub agent_tolerations: String,
 }
 
 /// A Kubernetes server version, as far as the operator cares (major and minor).
@@ -228,7 +239,7 @@ fn parse_kube_version(s: &str) -> std::result::Result<KubeVersion, String> {
 }
 
 /// The agent settings after checking.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AgentSettings {
     /// Agent image.
     pub image: String,
@@ -240,6 +251,8 @@ pub struct AgentSettings {
     pub socket_root: String,
     /// The API server's version, when known; `None` builds for the newest API.
     pub kube: Option<KubeVersion>,
+    /// Tolerations of every agent pod, after each pool's own.
+    pub tolerations: Vec<Toleration>,
 }
 
 impl Default for AgentSettings {
@@ -250,6 +263,7 @@ impl Default for AgentSettings {
             pull_secrets: Vec::new(),
             socket_root: DEFAULT_SOCKET_ROOT.to_owned(),
             kube: None,
+            tolerations: Vec::new(),
         }
     }
 }
@@ -302,12 +316,19 @@ impl AgentFlags {
                     .to_owned(),
             });
         }
+        let tolerations: Vec<Toleration> =
+            serde_json::from_str(&self.agent_tolerations).map_err(|e| Error::Config {
+                field: "--agent-tolerations",
+                value: self.agent_tolerations.chars().take(200).collect(),
+                reason: format!("must be a JSON list of tolerations: {e}"),
+            })?;
         Ok(AgentSettings {
             image: image.to_owned(),
             pull_policy: self.agent_image_pull_policy,
             pull_secrets: self.agent_image_pull_secrets.clone(),
             socket_root: root.to_owned(),
             kube: None,
+            tolerations,
         })
     }
 }
@@ -445,6 +466,12 @@ mod tests {
         assert_eq!(a.pull_policy.as_str(), "Never");
         assert_eq!(a.pull_secrets, vec!["regcred", "other"]);
         assert_eq!(a.socket_root, "/run/kvfabric");
+        let gpu = agents(&[
+            "--agent-tolerations",
+            r#"[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]"#,
+        ])
+        .expect("valid");
+        assert_eq!(gpu.tolerations[0].key.as_deref(), Some("nvidia.com/gpu"));
         for (flag, value) in [
             ("--socket-root", "relative/dir"),
             ("--socket-root", "/"),
@@ -452,6 +479,8 @@ mod tests {
             ("--socket-root", "/var//run"),
             ("--agent-image", "two words"),
             ("--agent-image-pull-secrets", "Bad_Name"),
+            ("--agent-tolerations", "{\"key\": \"not a list\"}"),
+            ("--agent-tolerations", "[{\"effect\": 7}]"),
         ] {
             let e = agents(&[flag, value]).expect_err(value);
             assert!(e.to_string().contains(flag), "{e}");

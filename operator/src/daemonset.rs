@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::{
     LocalObjectReference, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
     ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceClaim,
     ResourceRequirements, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext,
-    Volume, VolumeMount,
+    Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -408,6 +408,18 @@ fn annotations(fabric: &TransferFabric, config_hash: &str) -> BTreeMap<String, S
     out
 }
 
+/// The pool's tolerations, then the cluster's for every agent (operator settings) that the pool
+/// does not already have.
+fn tolerations(pool: &Pool, settings: &AgentSettings) -> Option<Vec<Toleration>> {
+    let mut out = pool.tolerations.clone();
+    for t in &settings.tolerations {
+        if !out.contains(t) {
+            out.push(t.clone());
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
 /// The GPU Operator's node label for NVML clients that are not its own (26.7 and later): "true"
 /// on GPU nodes, `paused-for-driver-upgrade` (k8s-driver-manager) or `paused-for-mig-change`
 /// (mig-parted) while the driver or the MIG layout changes, back to "true" after.
@@ -522,7 +534,7 @@ pub fn desired_daemonset(
             .then(|| agent.gpu.runtime_class_name.clone())
             .flatten(),
         node_selector: (!pool.node_selector.is_empty()).then(|| pool.node_selector.clone()),
-        tolerations: (!pool.tolerations.is_empty()).then(|| pool.tolerations.clone()),
+        tolerations: tolerations(pool, settings),
         affinity: affinity(fabric, pool),
         image_pull_secrets: (!settings.pull_secrets.is_empty()).then(|| {
             settings
@@ -1275,6 +1287,32 @@ mod tests {
         assert!(pod(&ds).node_selector.is_none());
         assert!(pod(&ds).tolerations.is_none());
         assert!(pod(&ds).affinity.is_none());
+        // The cluster's tolerations for every agent come after the pool's, once each.
+        let gpu_taint = Toleration {
+            key: Some("nvidia.com/gpu".into()),
+            operator: Some("Exists".into()),
+            effect: Some("NoSchedule".into()),
+            ..Toleration::default()
+        };
+        let dedicated = Toleration {
+            key: Some("dedicated".into()),
+            value: Some("llm".into()),
+            ..Toleration::default()
+        };
+        let settings = AgentSettings {
+            tolerations: vec![gpu_taint.clone(), dedicated.clone()],
+            ..AgentSettings::default()
+        };
+        let with = |f: &TransferFabric, pool: usize| {
+            desired_daemonset(f, &f.spec.pools[pool], &settings, "h")
+                .expect("builds")
+                .spec
+                .and_then(|s| s.template.spec)
+                .and_then(|p| p.tolerations)
+                .unwrap_or_default()
+        };
+        assert_eq!(with(&f, 0), vec![gpu_taint.clone(), dedicated.clone()]);
+        assert_eq!(with(&f, 1), vec![gpu_taint, dedicated]);
         // Without a class of its own: the node agents' default; one node at a time.
         let min = build(&minimal(), 0);
         assert_eq!(

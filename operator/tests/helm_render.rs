@@ -253,6 +253,15 @@ fn check_deployment(d: &Deployment, what: &str) {
     let pod = pod_spec_of(d.spec.as_ref().and_then(|s| s.template.spec.as_ref()), what);
     check_restricted(pod, what);
     let c = &pod.containers[0];
+    // The chart's agent tolerations reach the operator as the JSON list it parses.
+    let tolerations = c
+        .args
+        .iter()
+        .flatten()
+        .find_map(|a| a.strip_prefix("--agent-tolerations="))
+        .expect("--agent-tolerations");
+    serde_json::from_str::<Vec<k8s_openapi::api::core::v1::Toleration>>(tolerations)
+        .unwrap_or_else(|e| panic!("{what}: --agent-tolerations {tolerations}: {e}"));
     // An upgrade never runs two operators side by side unless they elect a leader.
     let elects = c.args.iter().flatten().any(|a| a == "--leader-election");
     let strategy = d
