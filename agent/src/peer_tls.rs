@@ -282,7 +282,11 @@ impl PeerTls {
                     Ok(Ok(Reload::Unchanged | Reload::StillRefused)) => {}
                     Ok(Err(e)) => {
                         refusals.inc();
-                        warn!(error = %e, "TLS files changed but the new set was refused; the certificate in use stays");
+                        warn!(
+                            error = %e,
+                            "TLS files changed but the new set was refused (or a file could not \
+                             be read); the certificate in use stays"
+                        );
                     }
                     Err(e) => warn!(error = %e, "TLS reload task failed"),
                 }
