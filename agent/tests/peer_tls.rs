@@ -515,6 +515,14 @@ async fn pull_checked(
     Ok(())
 }
 
+/// `secs` from now, in whole seconds (a certificate's times have no fraction).
+fn whole_seconds_from_now(secs: u64) -> std::time::SystemTime {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    std::time::UNIX_EPOCH + Duration::from_secs(now.as_secs() + secs)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewed_certificate_is_used_for_new_connections_without_a_restart() {
     assert_eq!(
@@ -522,7 +530,10 @@ async fn a_renewed_certificate_is_used_for_new_connections_without_a_restart() {
         NAME
     );
     let ca = TestCa::new("fabric");
-    let (first, caller) = (ca.issue(&[NAME]), ca.issue(&[NAME]));
+    // A's first certificate expires soon after the renewal, so that peers accept nothing but
+    // the renewed one from A's dials too.
+    let expires = whole_seconds_from_now(8);
+    let (first, caller) = (ca.issue_until(&[NAME], expires), ca.issue(&[NAME]));
     let (sa, sb) = (
         Mounted::new(&ca, &first),
         Mounted::new(&ca, &ca.issue(&[NAME])),
@@ -550,7 +561,13 @@ async fn a_renewed_certificate_is_used_for_new_connections_without_a_restart() {
         let got = presented(addr, &ca, &caller, NAME).await.unwrap();
         assert_eq!(got, der(&renewed.cert_pem), "the {port} port");
     }
-    // And transfers go on: from the agent that was connected, and from one that dials anew.
+    // Once the first certificate has expired, transfers go on: from the agent that was
+    // connected, from one that dials anew, and to A (whose client certificate, on its peer API
+    // dial and its data connections, must be the renewed one).
+    let left = expires
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    tokio::time::sleep(left + Duration::from_secs(1)).await;
     pull_checked(&b, "decode-1", "prefill-0", p.key, &src)
         .await
         .unwrap();
@@ -559,7 +576,6 @@ async fn a_renewed_certificate_is_used_for_new_connections_without_a_restart() {
     pull_checked(&c, "decode-2", "prefill-0", p.key, &src)
         .await
         .unwrap();
-    // A's own dials present the renewed certificate too: C's server accepts it, and A pulls.
     let worker_c = Client::connect(c.socket_dir()).await.unwrap();
     let src_c = pattern(16 * BLOCK, 9);
     let pc = worker_c
@@ -662,11 +678,7 @@ async fn an_expired_certificate_makes_the_agent_not_ready_until_a_renewal() {
     use tonic_health::pb::health_check_response::ServingStatus;
     let serving = ServingStatus::Serving as i32;
     let ca = TestCa::new("fabric");
-    // Whole seconds: a certificate's times have no fraction.
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap();
-    let soon = std::time::UNIX_EPOCH + Duration::from_secs(now.as_secs() + 4);
+    let soon = whole_seconds_from_now(4);
     let sa = Mounted::new(&ca, &ca.issue_until(&[NAME], soon));
     let store = MemoryStore::new();
     let a = agent("node-a", &store, &sa.tls(NAME)).await;
