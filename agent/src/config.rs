@@ -413,6 +413,7 @@ impl AgentConfig {
             "tls": self.tls.as_ref().map(|t| serde_json::json!({
                 "cert": t.cert_path,
                 "ca": t.ca_path,
+                "name": t.name,
                 "data_port": self.tls_data_port,
             })),
             "socket_dir": self.socket_dir,
@@ -757,6 +758,7 @@ mod tests {
         let on = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert!(on.tls_data_port);
         assert_eq!(on.summary()["tls"]["data_port"], true);
+        assert_eq!(on.summary()["tls"]["name"], TLS_NAME);
         flags.extend(["--tls-data-port".into(), "false".into()]);
         let config = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert!(!config.tls_data_port);
