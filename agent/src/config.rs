@@ -71,7 +71,9 @@ pub struct AgentArgs {
     pub tls_dir: Option<PathBuf>,
 
     /// This agent's certificate (PEM, chain first): presented to peers and served to them. It
-    /// must carry the DNS name `kvfabric-agent` and be valid for client and server use.
+    /// must carry the fabric's DNS name `<fabric>.<namespace>.kvfabric` and be valid for client
+    /// and server use. The files are read again every few seconds; a renewed certificate is
+    /// used for new connections without a restart.
     #[arg(long, env = env::TLS_CERT)]
     pub tls_cert: Option<PathBuf>,
 
@@ -355,8 +357,9 @@ impl AgentArgs {
 
     /// The TLS material, from `--tls-dir` or the three files (all or none of them).
     fn peer_tls(&self) -> Result<Option<PeerTls>> {
+        let name = PeerTls::name_of(&self.fabric, &self.namespace);
         let tls = match (&self.tls_dir, &self.tls_cert, &self.tls_key, &self.tls_ca) {
-            (Some(dir), None, None, None) => Some(PeerTls::from_dir(dir)?),
+            (Some(dir), None, None, None) => Some(PeerTls::from_dir(dir, &name)?),
             (Some(dir), ..) => {
                 return Err(Error::config(
                     "tls-dir",
@@ -364,7 +367,7 @@ impl AgentArgs {
                     "give tls-dir or the files tls-cert, tls-key, tls-ca, not both",
                 ));
             }
-            (None, Some(cert), Some(key), Some(ca)) => Some(PeerTls::load(cert, key, ca)?),
+            (None, Some(cert), Some(key), Some(ca)) => Some(PeerTls::load(cert, key, ca, &name)?),
             (None, None, None, None) => None,
             (None, cert, key, _) => {
                 let missing = if cert.is_none() {
@@ -410,6 +413,7 @@ impl AgentConfig {
             "tls": self.tls.as_ref().map(|t| serde_json::json!({
                 "cert": t.cert_path,
                 "ca": t.ca_path,
+                "name": t.name,
                 "data_port": self.tls_data_port,
             })),
             "socket_dir": self.socket_dir,
@@ -754,11 +758,43 @@ mod tests {
         let on = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert!(on.tls_data_port);
         assert_eq!(on.summary()["tls"]["data_port"], true);
+        assert_eq!(on.summary()["tls"]["name"], TLS_NAME);
         flags.extend(["--tls-data-port".into(), "false".into()]);
         let config = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert!(!config.tls_data_port);
         assert_eq!(config.summary()["tls"]["data_port"], false);
     }
 
-    const TLS_NAME: &str = kvfabric_proto::contract::TLS_SERVER_NAME;
+    /// The name of the fabric `validate` makes (the defaults).
+    const TLS_NAME: &str = "default.default.kvfabric";
+
+    #[test]
+    fn the_tls_name_is_the_fabrics() {
+        assert_eq!(
+            TLS_NAME,
+            kvfabric_proto::contract::tls_server_name("default", DEFAULT_NAMESPACE)
+        );
+        // A certificate of the name every fabric shared before is refused, naming the one
+        // expected.
+        let ca = TestCa::new("ca");
+        let dir = secret_dir(&ca, &["kvfabric-agent"]);
+        let (named, reason) = field(validate_dir(dir.path()));
+        assert_eq!(named, "tls-cert");
+        assert!(reason.contains("does not carry the DNS name"), "{reason}");
+        assert!(reason.contains(TLS_NAME), "{reason}");
+        // Another fabric's name is no better.
+        let flags = [
+            "--fabric",
+            "other",
+            "--tls-dir",
+            &dir.path().display().to_string(),
+        ]
+        .map(str::to_owned);
+        ca.write_dir(dir.path(), &ca.issue(&[TLS_NAME])).unwrap();
+        let (named, reason) = field(validate(
+            &flags.iter().map(String::as_str).collect::<Vec<_>>(),
+        ));
+        assert_eq!(named, "tls-cert");
+        assert!(reason.contains("other.default.kvfabric"), "{reason}");
+    }
 }

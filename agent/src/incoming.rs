@@ -184,7 +184,12 @@ impl<I> Connection<I> {
 /// Marks the peer API connection a request came on as authenticated (the request's peer token
 /// checked out, or it came over mTLS).
 pub fn authenticated(extensions: &tonic::Extensions) {
-    if let Some(c) = extensions.get::<Connection<TcpConnectInfo>>() {
+    // Over TLS (done by the agent, `PeerTls::accept`) only the TLS stream's info is there.
+    let tls = extensions.get::<TlsConnectInfo<Connection<TcpConnectInfo>>>();
+    if let Some(c) = extensions
+        .get::<Connection<TcpConnectInfo>>()
+        .or_else(|| tls.map(TlsConnectInfo::get_ref))
+    {
         c.prove();
     }
 }

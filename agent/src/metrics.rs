@@ -92,6 +92,9 @@ pub struct Metrics {
     /// Batches of local workers refused under a hold key: outside the grant, a write, or the
     /// hold ended or expired.
     pub hold_refused_batches: Counter,
+    /// Renewed certificates taken into use without a restart, and new sets refused.
+    pub tls_reloads: Counter,
+    pub tls_reload_refusals: Counter,
 }
 
 fn histogram() -> Histogram {
@@ -127,6 +130,8 @@ impl Metrics {
             holds_ended: Counter::default(),
             holds_expired: Counter::default(),
             hold_refused_batches: Counter::default(),
+            tls_reloads: Counter::default(),
+            tls_reload_refusals: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -235,6 +240,18 @@ impl Metrics {
             "Batches of local workers refused under a hold key (outside the grant, a write, or \
              the hold ended)",
             m.hold_refused_batches.clone(),
+        );
+        registry.register(
+            "tls_reloads",
+            "New certificate, key and CA files taken into use for new connections (peer API \
+             and data port) without a restart",
+            m.tls_reloads.clone(),
+        );
+        registry.register(
+            "tls_reload_refusals",
+            "Changed certificate, key or CA files refused (the key not the certificate's, not \
+             of the CA, not for the fabric's name, not valid now); the set in use stays",
+            m.tls_reload_refusals.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -45,20 +45,17 @@ async fn dial_for(
     answer: Duration,
     tls: Option<&PeerTls>,
 ) -> Result<PeerAgentClient<Channel>> {
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    let mut endpoint = Endpoint::from_shared(format!("{scheme}://{}", agent.peer_addr))
+    // http: with mTLS the connector does the TLS (with the certificate in use at the time of
+    // the dial), which tonic's own TLS settings, fixed once, could not.
+    let endpoint = Endpoint::from_shared(format!("http://{}", agent.peer_addr))
         .map_err(|e| failure(agent, e.to_string()))?
         .connect_timeout(timeout)
         .timeout(answer);
-    if let Some(tls) = tls {
-        endpoint = endpoint
-            .tls_config(tls.client())
-            .map_err(|e| failure(agent, format!("tls: {e}")))?;
+    let channel = match tls {
+        Some(tls) => endpoint.connect_with_connector(tls.connector()).await,
+        None => endpoint.connect().await,
     }
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|e| failure(agent, format!("connect: {}", error_chain(&e))))?;
+    .map_err(|e| failure(agent, format!("connect: {}", error_chain(&e))))?;
     Ok(PeerAgentClient::new(channel))
 }
 

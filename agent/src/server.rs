@@ -130,6 +130,7 @@ pub struct Agent {
     api_tasks: Vec<JoinHandle<std::result::Result<(), tonic::transport::Error>>>,
     fd_task: JoinHandle<()>,
     sweep_task: JoinHandle<()>,
+    tls_watch: Option<JoinHandle<()>>,
     data_tasks: Vec<JoinHandle<kvfabric_engine::Result<()>>>,
     metrics_task: JoinHandle<std::io::Result<()>>,
     /// When the data plane last served a chunk to a peer.
@@ -193,17 +194,6 @@ fn grpc_server() -> Server {
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .max_concurrent_streams(Some(256))
-}
-
-/// The peer API's server: with mTLS, a client certificate of the fabric's CA is required
-/// before the first byte of HTTP/2 is read (the token is checked after, on the headers).
-fn peer_server(config: &AgentConfig) -> Result<Server> {
-    match &config.tls {
-        None => Ok(grpc_server()),
-        Some(tls) => grpc_server()
-            .tls_config(tls.server())
-            .map_err(|e| Error::config("tls-cert", tls.cert_path.display(), e.to_string())),
-    }
 }
 
 fn advertise(config: &AgentConfig, devices: &discovery::Devices) -> IpAddr {
@@ -329,44 +319,58 @@ impl Agent {
             PeerToken::interceptor(config.peer_token.clone()),
         );
         let refused = node.metrics.accept_errors.clone();
-        let api_tasks = vec![
-            tokio::spawn(
-                grpc_server()
-                    .layer(message_limit::layer(move |method| match method {
-                        SUBMIT_METHOD => submit_limit,
-                        CREATE_HOLD_METHOD => MAX_CREATE_HOLD_BYTES,
-                        _ => MAX_LOCAL_REQUEST_BYTES,
-                    }))
-                    .add_service(health_svc.clone())
-                    .add_service(local_svc)
-                    .serve_with_incoming_shutdown(
-                        // grpcio's `:authority` for a Unix socket is made acceptable to h2.
-                        incoming::capped(
-                            listeners.local,
-                            incoming::LOCAL,
-                            metrics.shedding(incoming::LOCAL.port),
-                            refused.clone(),
-                        )
-                        .map_ok(AuthorityRewrite::new),
-                        stopped(api_rx.clone()),
-                    ),
+        let mut api_tasks = vec![tokio::spawn(
+            grpc_server()
+                .layer(message_limit::layer(move |method| match method {
+                    SUBMIT_METHOD => submit_limit,
+                    CREATE_HOLD_METHOD => MAX_CREATE_HOLD_BYTES,
+                    _ => MAX_LOCAL_REQUEST_BYTES,
+                }))
+                .add_service(health_svc.clone())
+                .add_service(local_svc)
+                .serve_with_incoming_shutdown(
+                    // grpcio's `:authority` for a Unix socket is made acceptable to h2.
+                    incoming::capped(
+                        listeners.local,
+                        incoming::LOCAL,
+                        metrics.shedding(incoming::LOCAL.port),
+                        refused.clone(),
+                    )
+                    .map_ok(AuthorityRewrite::new),
+                    stopped(api_rx.clone()),
+                ),
+        )];
+        let peer_router = grpc_server()
+            .layer(message_limit::layer(|_| MAX_PEER_REQUEST_BYTES))
+            .add_service(health_svc)
+            .add_service(peer_svc);
+        let peer_conns = incoming::capped(
+            listeners.peer,
+            incoming::PEER,
+            metrics.shedding(incoming::PEER.port),
+            refused,
+        );
+        // With mTLS, a client certificate of the fabric's CA carrying the fabric's name is
+        // required before the first byte of HTTP/2 is read (the token is checked after, on the
+        // headers); the handshake is done here so that a renewed certificate is used at once.
+        api_tasks.push(match &config.tls {
+            None => tokio::spawn(
+                peer_router.serve_with_incoming_shutdown(peer_conns, stopped(api_rx.clone())),
             ),
-            tokio::spawn(
-                peer_server(&config)?
-                    .layer(message_limit::layer(|_| MAX_PEER_REQUEST_BYTES))
-                    .add_service(health_svc)
-                    .add_service(peer_svc)
-                    .serve_with_incoming_shutdown(
-                        incoming::capped(
-                            listeners.peer,
-                            incoming::PEER,
-                            metrics.shedding(incoming::PEER.port),
-                            refused,
-                        ),
-                        stopped(api_rx.clone()),
-                    ),
+            Some(tls) => tokio::spawn(
+                peer_router
+                    .serve_with_incoming_shutdown(tls.accept(peer_conns), stopped(api_rx.clone())),
             ),
-        ];
+        });
+        // The data port uses the certificate until the very end, so the files are watched
+        // until then.
+        let tls_watch = config.tls.clone().map(|tls| {
+            tls.watch(
+                metrics.tls_reloads.clone(),
+                metrics.tls_reload_refusals.clone(),
+                stopped(data_rx.clone()),
+            )
+        });
         let metrics_task = tokio::spawn(
             axum::serve(
                 listeners.metrics,
@@ -417,7 +421,7 @@ impl Agent {
             })
             .await?;
         readiness.set(true).await;
-        let follow = readiness.follow(registry.clone());
+        let follow = readiness.follow(registry.clone(), config.tls.clone());
         let ready = Ready {
             agent: name.clone(),
             peer: peer_addr,
@@ -439,6 +443,7 @@ impl Agent {
             api_tasks,
             fd_task,
             sweep_task,
+            tls_watch,
             data_tasks,
             metrics_task,
             served,
@@ -493,6 +498,9 @@ impl Agent {
         for t in self.data_tasks {
             let _ = tokio::time::timeout(Duration::from_secs(1), t).await;
         }
+        if let Some(t) = self.tls_watch {
+            let _ = tokio::time::timeout(Duration::from_secs(1), t).await;
+        }
         let _ = tokio::time::timeout(Duration::from_secs(1), self.metrics_task).await;
         for name in [socket::LOCAL, socket::FD, socket::SHM] {
             let _ = std::fs::remove_file(self.ready.socket_dir.join(name));
@@ -502,8 +510,9 @@ impl Agent {
     }
 }
 
-/// `/metrics` (registry gauges refreshed at scrape time), `/healthz` (ready: in the registry
-/// and not draining; 503 otherwise) and `/livez` (the process answers).
+/// `/metrics` (registry gauges refreshed at scrape time), `/healthz` (ready: in the registry,
+/// not draining and the certificate in use not expired; 503 otherwise, with the reason) and
+/// `/livez` (the process answers).
 fn metrics_router(node: Arc<Node>, readiness: Arc<Readiness>) -> axum::Router {
     use axum::routing::get;
     axum::Router::new()
@@ -529,11 +538,14 @@ fn metrics_router(node: Arc<Node>, readiness: Arc<Readiness>) -> axum::Router {
             "/healthz",
             get(move || {
                 let ready = readiness.is_ready();
+                let reason = readiness.reason();
                 async move {
                     if ready {
-                        (axum::http::StatusCode::OK, "ok")
+                        (axum::http::StatusCode::OK, "ok".to_owned())
                     } else {
-                        (axum::http::StatusCode::SERVICE_UNAVAILABLE, "not ready")
+                        let why = reason
+                            .map_or_else(|| "not ready".to_owned(), |r| format!("not ready: {r}"));
+                        (axum::http::StatusCode::SERVICE_UNAVAILABLE, why)
                     }
                 }
             }),

@@ -163,9 +163,15 @@ pub async fn run(
     let tls_dir = tempfile::tempdir().map_err(|e| Error::io("tls dir", e))?;
     let tls = if args.tls {
         let ca = kvfabric_testkit::TestCa::new("kvfabric bench");
-        let name = kvfabric_proto::contract::TLS_SERVER_NAME;
-        ca.write_dir(tls_dir.path(), &ca.issue(&[name]))?;
-        Some(kvfabric_agent::peer_tls::PeerTls::from_dir(tls_dir.path())?)
+        let name = kvfabric_proto::contract::tls_server_name(
+            "bench",
+            kvfabric_proto::contract::DEFAULT_NAMESPACE,
+        );
+        ca.write_dir(tls_dir.path(), &ca.issue(&[&name]))?;
+        Some(kvfabric_agent::peer_tls::PeerTls::from_dir(
+            tls_dir.path(),
+            &name,
+        )?)
     } else {
         None
     };

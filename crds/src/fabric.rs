@@ -82,8 +82,9 @@ pub struct TransferFabricSpec {
 
     /// `kubernetes.io/tls` Secret with `tls.crt`, `tls.key` and `ca.crt` (cert-manager writes
     /// these): mTLS on the agents' peer API and tcp data port. The certificate must name
-    /// `kvfabric-agent` (a DNS subject alternative name) and allow client and server use; agents
-    /// admit only peers whose certificate the CA signed. With it the probes ask `/livez` and `/healthz` on the metrics
+    /// `<fabric>.<namespace>.kvfabric` (a DNS subject alternative name) and allow client and
+    /// server use; agents admit only peers whose certificate the CA signed for that name, and
+    /// take a renewed certificate without a restart. With it the probes ask `/livez` and `/healthz` on the metrics
     /// port (the kubelet's gRPC probe cannot present a certificate). Off when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_secret: Option<String>,

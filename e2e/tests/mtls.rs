@@ -11,18 +11,18 @@ use common::{BLOCK, etcd_on, sees, within};
 use kvfabric_client::Client;
 use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
 use kvfabric_e2e::{AgentProcess, Network};
-use kvfabric_proto::contract::{TLS_SERVER_NAME, env};
+use kvfabric_proto::contract::{DEFAULT_NAMESPACE, env, tls_server_name};
 use kvfabric_proto::pb::HandshakeRequest;
 use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
 use kvfabric_testkit::TestCa;
 
 const TOKEN: &str = "e2e-peer-token-0123456789";
 
-/// A Secret directory of `ca` for one agent.
+/// A Secret directory of `ca` for one agent of fabric `e2e` (the one `AgentProcess` runs in).
 fn secret(ca: &TestCa) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    ca.write_dir(dir.path(), &ca.issue(&[TLS_SERVER_NAME]))
-        .unwrap();
+    let name = tls_server_name("e2e", DEFAULT_NAMESPACE);
+    ca.write_dir(dir.path(), &ca.issue(&[&name])).unwrap();
     dir
 }
 

@@ -1,19 +1,33 @@
 //! TLS on the tcp data port: one certificate (chain and key) and one CA for both ends. A target
-//! requires a client certificate the CA signed; an initiator verifies the target's certificate
-//! against the CA for `server_name`. The challenge–response on the data secret runs inside.
+//! requires a client certificate the CA signed for `server_name`; an initiator verifies the
+//! target's certificate against the CA for `server_name`. The challenge–response on the data
+//! secret runs inside.
+//!
+//! The configurations can be replaced while the engine runs ([`DataTls::update`]): a renewed
+//! certificate (cert-manager rewrites the mounted Secret in place) is used by every connection
+//! made after, without a restart; connections already open keep the session they have.
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use rustls::client::WebPkiServerVerifier;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::server::WebPkiClientVerifier;
-use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{
+    CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, RootCertStore,
+    ServerConfig, SignatureScheme,
+};
 
 use crate::error::{Error, Result};
 
-/// Both sides' rustls configurations (ring provider), made once.
+/// Both sides' rustls configurations (ring provider); clones share them, and an update of one
+/// is seen by all.
 #[derive(Clone)]
 pub struct DataTls {
+    current: Arc<RwLock<Arc<Configs>>>,
+}
+
+pub(crate) struct Configs {
     pub(crate) client: Arc<ClientConfig>,
     pub(crate) server: Arc<ServerConfig>,
     pub(crate) server_name: ServerName<'static>,
@@ -22,7 +36,7 @@ pub struct DataTls {
 impl std::fmt::Debug for DataTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataTls")
-            .field("server_name", &self.server_name)
+            .field("server_name", &self.current().server_name)
             .finish_non_exhaustive()
     }
 }
@@ -43,20 +57,23 @@ impl DataTls {
         server_name: &str,
     ) -> Result<DataTls> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let server_name = ServerName::try_from(server_name.to_owned()).map_err(bad)?;
         let mut roots = RootCertStore::empty();
         for c in ca {
             roots.add(c).map_err(bad)?;
         }
         let roots = Arc::new(roots);
         let versions = rustls::DEFAULT_VERSIONS;
-        let client_verifier =
+        let client_verifier = NamedClientVerifier::new(
             WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
                 .build()
-                .map_err(bad)?;
+                .map_err(bad)?,
+            server_name.clone(),
+        );
         let server = ServerConfig::builder_with_provider(provider.clone())
             .with_protocol_versions(versions)
             .map_err(bad)?
-            .with_client_cert_verifier(client_verifier)
+            .with_client_cert_verifier(Arc::new(client_verifier))
             .with_single_cert(chain.clone(), key.clone_key())
             .map_err(bad)?;
         let server_verifier = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
@@ -69,9 +86,107 @@ impl DataTls {
             .with_client_auth_cert(chain, key)
             .map_err(bad)?;
         Ok(DataTls {
-            client: Arc::new(client),
-            server: Arc::new(server),
-            server_name: ServerName::try_from(server_name.to_owned()).map_err(bad)?,
+            current: Arc::new(RwLock::new(Arc::new(Configs {
+                client: Arc::new(client),
+                server: Arc::new(server),
+                server_name,
+            }))),
         })
+    }
+
+    /// From now on, new connections (of this value and every clone of it) use `newer`'s
+    /// certificate, key, CA and name.
+    pub fn update(&self, newer: &DataTls) {
+        let next = newer.current();
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = next;
+    }
+
+    pub(crate) fn current(&self) -> Arc<Configs> {
+        self.current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The current client side: presents the certificate, verifies the server for the name.
+    pub fn client_config(&self) -> Arc<ClientConfig> {
+        self.current().client.clone()
+    }
+
+    /// The current server side: presents the certificate, requires a client certificate of the
+    /// CA for the name.
+    pub fn server_config(&self) -> Arc<ServerConfig> {
+        self.current().server.clone()
+    }
+
+    pub fn server_name(&self) -> ServerName<'static> {
+        self.current().server_name.clone()
+    }
+}
+
+/// A client certificate verifier that also requires the certificate to carry `name` (a DNS
+/// SAN), as a client verifies a server's: one CA may sign certificates of many fabrics, and
+/// only this fabric's agents may call in.
+#[derive(Debug)]
+pub struct NamedClientVerifier {
+    inner: Arc<dyn ClientCertVerifier>,
+    name: ServerName<'static>,
+}
+
+impl NamedClientVerifier {
+    pub fn new(inner: Arc<dyn ClientCertVerifier>, name: ServerName<'static>) -> Self {
+        NamedClientVerifier { inner, name }
+    }
+}
+
+impl ClientCertVerifier for NamedClientVerifier {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> std::result::Result<ClientCertVerified, rustls::Error> {
+        let verified = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        let cert = webpki::EndEntityCert::try_from(end_entity)
+            .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding))?;
+        cert.verify_is_valid_for_subject_name(&self.name)
+            .map_err(|_| rustls::Error::InvalidCertificate(CertificateError::NotValidForName))?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
     }
 }

@@ -34,7 +34,7 @@ pub use auth::DataSecret;
 pub use batch::{Batch, BatchHandle, BatchOps, BatchResult, Canceller};
 pub use block_table::{BlockPair, BlockTable, MAX_PLANES, Plane, PlaneSide, TableShape, plane_end};
 pub use cuda::{CudaExport, CudaPath, IpcHandle};
-pub use data_tls::DataTls;
+pub use data_tls::{DataTls, NamedClientVerifier};
 pub use engine::{Engine, EngineConfig, Peer, ServeObserver, ServedChunk};
 pub use error::{Error, ErrorKind, RemoteError, Result, Side};
 pub use frame::TraceContext;

@@ -137,10 +137,17 @@ pub const TMP_DIR: &str = "/tmp";
 pub const ETCD_TLS_MOUNT: &str = "/etc/kvfabric/etcd-tls";
 /// Where the agent's own certificate (`TransferFabric.spec.tlsSecret`) is mounted.
 pub const TLS_MOUNT: &str = "/etc/kvfabric/tls";
-/// The DNS name every agent's certificate carries (a subject alternative name) and that agents
-/// verify when they dial each other: agents are dialled by pod IP, which one shared certificate
-/// cannot list.
-pub const TLS_SERVER_NAME: &str = "kvfabric-agent";
+/// The DNS name every agent's certificate of one fabric carries (a subject alternative name):
+/// agents verify it of the server when they dial each other (by pod IP, which one shared
+/// certificate cannot list) and of the client certificate when they are dialled. It names the
+/// fabric and its namespace, so that a CA (a cert-manager ClusterIssuer) shared by many fabrics
+/// does not let one fabric's agents into another's.
+pub fn tls_server_name(fabric: &str, namespace: &str) -> String {
+    format!("{fabric}.{namespace}.{TLS_NAME_SUFFIX}")
+}
+
+/// The last label of every [`tls_server_name`].
+pub const TLS_NAME_SUFFIX: &str = "kvfabric";
 /// Path of the `kvfabric` binary in the agent image.
 pub const AGENT_BINARY: &str = "/usr/local/bin/kvfabric";
 /// Path of the socket directory helper in the agent image.

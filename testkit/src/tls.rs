@@ -2,11 +2,14 @@
 //! certificates it signs, written as a mounted `kubernetes.io/tls` Secret lays them out.
 
 use std::path::Path;
+use std::time::{Duration, SystemTime};
 
 pub use rcgen::ExtendedKeyUsagePurpose;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
 };
+
+use time::OffsetDateTime;
 
 use crate::error::{Error, Result};
 
@@ -58,12 +61,35 @@ impl TestCa {
 
     /// A certificate for `names` with only the extended key usages `usages`.
     pub fn issue_for(&self, names: &[&str], usages: &[ExtendedKeyUsagePurpose]) -> TestCert {
+        self.make(names, usages, None)
+    }
+
+    /// [`TestCa::issue`], valid from an hour ago until `not_after` (which may have passed).
+    pub fn issue_until(&self, names: &[&str], not_after: SystemTime) -> TestCert {
+        let usages = [
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        self.make(names, &usages, Some(not_after))
+    }
+
+    fn make(
+        &self,
+        names: &[&str],
+        usages: &[ExtendedKeyUsagePurpose],
+        not_after: Option<SystemTime>,
+    ) -> TestCert {
         let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
         let mut params = CertificateParams::new(names).expect("valid DNS names");
         params
             .distinguished_name
             .push(DnType::CommonName, "kvfabric test agent");
         params.extended_key_usages = usages.to_vec();
+        if let Some(not_after) = not_after {
+            let hour_ago = SystemTime::now() - Duration::from_secs(3600);
+            params.not_before = OffsetDateTime::from(hour_ago.min(not_after));
+            params.not_after = OffsetDateTime::from(not_after);
+        }
         let key = KeyPair::generate().expect("generate a key");
         let cert = params.signed_by(&key, &self.issuer).expect("sign");
         TestCert {

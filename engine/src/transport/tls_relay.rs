@@ -29,14 +29,15 @@ const LINGER: Duration = Duration::from_secs(1);
 
 /// The initiator's side: TLS over `raw`, verifying the target's certificate.
 pub(crate) fn client(raw: TcpStream, tls: &DataTls, deadline: Instant) -> io::Result<TcpStream> {
-    let conn = ClientConnection::new(tls.client.clone(), tls.server_name.clone())
+    let now = tls.current();
+    let conn = ClientConnection::new(now.client.clone(), now.server_name.clone())
         .map_err(io::Error::other)?;
     relay(raw, conn.into(), deadline)
 }
 
 /// The target's side: TLS over `raw`, requiring a client certificate of the CA.
 pub(crate) fn server(raw: TcpStream, tls: &DataTls, deadline: Instant) -> io::Result<TcpStream> {
-    let conn = ServerConnection::new(tls.server.clone()).map_err(io::Error::other)?;
+    let conn = ServerConnection::new(tls.current().server.clone()).map_err(io::Error::other)?;
     relay(raw, conn.into(), deadline)
 }
 
