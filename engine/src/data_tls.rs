@@ -63,14 +63,16 @@ impl DataTls {
             roots.add(c).map_err(bad)?;
         }
         let roots = Arc::new(roots);
-        let versions = rustls::DEFAULT_VERSIONS;
+        // TLS 1.3 only: the data port seals its own records after the handshake (RFC 8446
+        // records; TLS 1.2's are not implemented there).
+        let versions = &[&rustls::version::TLS13];
         let client_verifier = NamedClientVerifier::new(
             WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
                 .build()
                 .map_err(bad)?,
             server_name.clone(),
         );
-        let server = ServerConfig::builder_with_provider(provider.clone())
+        let mut server = ServerConfig::builder_with_provider(provider.clone())
             .with_protocol_versions(versions)
             .map_err(bad)?
             .with_client_cert_verifier(Arc::new(client_verifier))
@@ -79,12 +81,18 @@ impl DataTls {
         let server_verifier = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
             .build()
             .map_err(bad)?;
-        let client = ClientConfig::builder_with_provider(provider)
+        let mut client = ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(versions)
             .map_err(bad)?
             .with_webpki_verifier(server_verifier)
             .with_client_auth_cert(chain, key)
             .map_err(bad)?;
+        // The data port takes the traffic secrets after the handshake, and never resumes a
+        // session: no tickets to send or keep.
+        server.enable_secret_extraction = true;
+        server.send_tls13_tickets = 0;
+        client.enable_secret_extraction = true;
+        client.resumption = rustls::client::Resumption::disabled();
         Ok(DataTls {
             current: Arc::new(RwLock::new(Arc::new(Configs {
                 client: Arc::new(client),

@@ -6,6 +6,8 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use super::tls_record::Opener;
+
 pub(crate) fn write_all_vectored<W: Write>(
     w: &mut W,
     mut bufs: &mut [IoSlice<'_>],
@@ -81,10 +83,19 @@ pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
 /// blocking for everyone else: a reader spinning for its next message fills its read-ahead buffer
 /// with the very call that finds the bytes, where polling first costs a second syscall per
 /// message (`spin_fill`).
-#[derive(Debug)]
 pub(crate) struct SpinReader<S> {
     socket: S,
     dontwait: bool,
+    /// TLS records are opened here, on the way from the socket to the reader's buffers.
+    opener: Option<Box<Opener>>,
+}
+
+impl<S> std::fmt::Debug for SpinReader<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpinReader")
+            .field("tls", &self.opener.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<S> SpinReader<S> {
@@ -92,29 +103,49 @@ impl<S> SpinReader<S> {
         SpinReader {
             socket,
             dontwait: false,
+            opener: None,
+        }
+    }
+
+    pub(crate) fn with_opener(socket: S, opener: Opener) -> Self {
+        SpinReader {
+            socket,
+            dontwait: false,
+            opener: Some(Box::new(opener)),
         }
     }
 
     pub(crate) fn socket(&self) -> &S {
         &self.socket
     }
+
+    /// Bytes (or the end) are held here already: a poll of the socket would not see them.
+    pub(crate) fn ready(&self) -> bool {
+        self.opener.as_ref().is_some_and(|o| o.ready())
+    }
 }
 
 impl<S: Read + AsFd> Read for SpinReader<S> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.dontwait {
-            let (n, _) = rustix::net::recv(&self.socket, buf, rustix::net::RecvFlags::DONTWAIT)?;
-            Ok(n)
-        } else {
-            self.socket.read(buf)
-        }
+        self.read_vectored(&mut [IoSliceMut::new(buf)])
     }
 
     // Large payload reads go past the read-ahead buffer straight into their destinations.
     fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        let flags = if self.dontwait {
+            rustix::net::RecvFlags::DONTWAIT
+        } else {
+            rustix::net::RecvFlags::empty()
+        };
+        if let Some(opener) = &mut self.opener {
+            let socket = &self.socket;
+            return opener.read(bufs, |b| Ok(rustix::net::recv(socket, b, flags)?.0));
+        }
         if self.dontwait {
             let first = bufs.iter_mut().find(|b| !b.is_empty());
-            return first.map_or(Ok(0), |b| self.read(b));
+            return first.map_or(Ok(0), |b| {
+                Ok(rustix::net::recv(&self.socket, &mut b[..], flags)?.0)
+            });
         }
         self.socket.read_vectored(bufs)
     }
@@ -130,8 +161,9 @@ pub(crate) fn spin_fill<S: Read + AsFd>(
     window: Duration,
     deadline: Option<Instant>,
 ) -> bool {
-    if window.is_zero() || !reader.buffer().is_empty() {
-        return !reader.buffer().is_empty();
+    let held = |r: &BufReader<SpinReader<S>>| !r.buffer().is_empty() || r.get_ref().ready();
+    if window.is_zero() || held(reader) {
+        return held(reader);
     }
     // Past a second a message is not due within microseconds: polling longer only burns the core.
     let start = Instant::now();

@@ -15,6 +15,7 @@ pub(crate) use planned_table::PlannedTable;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda_ipc;
+pub(crate) mod data_stream;
 pub mod fdpass;
 pub(crate) mod io;
 pub(crate) mod listener;
@@ -28,7 +29,7 @@ pub(crate) mod staging;
 pub(crate) mod target;
 pub(crate) mod tcp;
 pub(crate) mod tcp_server;
-pub(crate) mod tls_relay;
+pub(crate) mod tls_record;
 
 /// One contiguous piece of a batch after coalescing and bounds checks: the local bytes and the
 /// remote place they go to or come from.

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use rustix::net::{SendFlags, send};
 use tracing::{debug, warn};
 
+use super::data_stream::{DataStream, DataWriter, Out};
 use super::io::{SpinReader, Until, discard, read_exact_vectored, spin_fill, write_all_vectored};
 use super::staging::{Span, Staging, device_of};
 use super::{Piece, PlannedTable, Transport, TransportKind, TransportStats};
@@ -112,8 +113,11 @@ type Inbox = BufReader<SpinReader<TcpStream>>;
 #[derive(Debug)]
 enum Work {
     Chunk(Chunk),
-    /// The unsent rest of an inline write that the socket could not take at once.
+    /// The unsent rest of an inline write that the socket could not take at once (as on the
+    /// wire: sealed already, under TLS).
     Tail(Vec<u8>),
+    /// A sign of life after `Conn::keepalive` of silence.
+    KeepAlive,
 }
 
 #[derive(Debug, Default)]
@@ -130,7 +134,8 @@ struct Queue {
 #[derive(Debug)]
 struct Conn {
     peer: String,
-    stream: TcpStream,
+    /// The sending half; its turn is `Queue::busy`.
+    out: DataWriter,
     queue: Mutex<Queue>,
     wake: Condvar,
     /// Chunks written and awaiting their reply, in wire order.
@@ -173,7 +178,7 @@ pub(crate) struct TcpOptions {
     /// A batch run on the caller's thread polls its socket this long before it sleeps
     /// (`EngineConfig::spin_wait`).
     pub busy_poll: Duration,
-    /// TLS to the target (through a relay thread: `tls_relay`).
+    /// TLS to the target (records sealed and opened by the connection's own threads).
     pub tls: Option<crate::DataTls>,
 }
 
@@ -190,7 +195,7 @@ impl TcpLink {
         let mut descriptor = None;
         for _ in 0..opts.connections.max(1) {
             let deadline = Instant::now() + opts.handshake_timeout;
-            let mut stream = TcpStream::connect_timeout(&addr, opts.handshake_timeout)
+            let stream = TcpStream::connect_timeout(&addr, opts.handshake_timeout)
                 .map_err(|e| Error::io(format!("connect tcp {peer}"), e))?;
             stream
                 .set_nodelay(true)
@@ -198,10 +203,8 @@ impl TcpLink {
             opts.buffer
                 .apply(&stream)
                 .map_err(|e| Error::io("set tcp buffer sizes", e))?;
-            if let Some(tls) = &opts.tls {
-                stream = super::tls_relay::client(stream, tls, deadline)
-                    .map_err(|e| Error::io(format!("tls to {peer}"), e))?;
-            }
+            let mut stream = DataStream::connect(stream, opts.tls.as_ref(), deadline)
+                .map_err(|e| Error::io(format!("tls to {peer}"), e))?;
             let until = &mut Until {
                 s: &mut stream,
                 deadline,
@@ -209,8 +212,7 @@ impl TcpLink {
             let welcomed = handshake::client(until, &peer, creds)?;
             // From here on batches carry their own deadlines.
             stream
-                .set_read_timeout(None)
-                .and_then(|()| stream.set_write_timeout(None))
+                .clear_timeouts()
                 .map_err(|e| Error::io("clear socket timeouts", e))?;
             descriptor = welcomed.descriptor;
             let keepalive = (!welcomed.idle_timeout.is_zero()).then(|| welcomed.idle_timeout / 3);
@@ -435,27 +437,24 @@ impl Drop for TcpLink {
 impl Conn {
     fn start(
         peer: String,
-        stream: TcpStream,
+        stream: DataStream,
         staging_bytes: u64,
         keepalive: Option<Duration>,
         busy_poll: Duration,
     ) -> Result<Arc<Conn>> {
-        let reader = stream
-            .try_clone()
+        let (out, reader) = stream
+            .split()
             .map_err(|e| Error::io("clone tcp stream", e))?;
         let conn = Arc::new(Conn {
             peer,
-            stream,
+            out,
             queue: Mutex::new(Queue {
                 last: Some(Instant::now()),
                 ..Queue::default()
             }),
             wake: Condvar::new(),
             pending: Mutex::default(),
-            inbox: Mutex::new(BufReader::with_capacity(
-                READ_AHEAD,
-                SpinReader::new(reader),
-            )),
+            inbox: Mutex::new(BufReader::with_capacity(READ_AHEAD, reader)),
             reading: Mutex::new(false),
             read_turn: Condvar::new(),
             alive: AtomicBool::new(true),
@@ -520,8 +519,16 @@ impl Conn {
         }
         // Never block the submitter (it may be an async task): what the socket does not take
         // now goes to the writer thread, ahead of anything queued meanwhile.
+        let mut bytes = match self.out.wire_bytes(bytes) {
+            Ok(wire) => wire,
+            Err(e) => {
+                self.queue.lock().unwrap_or_else(|e| e.into_inner()).busy = false;
+                self.close(closed_or_io(e, &self.peer));
+                return;
+            }
+        };
         let sent = match send(
-            &self.stream,
+            self.out.socket(),
             &bytes,
             SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
         ) {
@@ -647,9 +654,9 @@ impl Conn {
             let silent = q.last.map_or(Duration::MAX, |t| now - t);
             if !q.busy {
                 let work = q.items.pop_front().or_else(|| {
-                    self.keepalive.filter(|&k| silent >= k).map(|_| {
-                        Work::Tail(Header::new(FrameKind::KeepAlive, 0, 0, 0).encode().to_vec())
-                    })
+                    self.keepalive
+                        .filter(|&k| silent >= k)
+                        .map(|_| Work::KeepAlive)
                 });
                 if let Some(w) = work {
                     q.busy = true;
@@ -691,12 +698,15 @@ impl Conn {
     }
 
     fn write_loop(self: Arc<Self>) {
-        let mut stream = &self.stream;
         let mut head = Vec::new();
         let io = |e| closed_or_io(e, &self.peer);
         while let Some(work) = self.next_work() {
+            let mut stream = self.out.lock();
             let written = match work {
-                Work::Tail(bytes) => stream.write_all(&bytes).map_err(io),
+                Work::Tail(bytes) => stream.write_wire(&bytes).map_err(io),
+                Work::KeepAlive => stream
+                    .write_all(&Header::new(FrameKind::KeepAlive, 0, 0, 0).encode())
+                    .map_err(io),
                 Work::Chunk(chunk) if chunk.job.is_cancelled() => {
                     self.outstanding.fetch_sub(chunk.bytes, Ordering::Relaxed);
                     chunk.job.piece_failed(Error::Cancelled {
@@ -727,6 +737,7 @@ impl Conn {
                     }
                 },
             };
+            drop(stream);
             self.queue.lock().unwrap_or_else(|e| e.into_inner()).busy = false;
             if let Err(e) = written {
                 self.close(e);
@@ -938,7 +949,8 @@ impl Conn {
         if self.alive.swap(false, Ordering::AcqRel) && !matches!(err, Error::ShuttingDown) {
             warn!(peer = %self.peer, error = %err, "tcp data connection lost");
         }
-        let _ = self.stream.shutdown(Shutdown::Both);
+        self.out.close_notify();
+        let _ = self.out.socket().shutdown(Shutdown::Both);
         {
             // Under the lock, so a reader thread between its check and its wait still hears it.
             let _reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
@@ -951,7 +963,7 @@ impl Conn {
                 .drain(..)
                 .filter_map(|w| match w {
                     Work::Chunk(c) => Some(c),
-                    Work::Tail(_) => None,
+                    Work::Tail(_) | Work::KeepAlive => None,
                 })
                 .collect()
         };
@@ -1048,7 +1060,7 @@ fn crc_trailer(chunk: &Chunk) -> Vec<u8> {
 /// Writes one GPU write chunk: header and manifest, then the payload staged through `ring`, then
 /// the crc trailer (computed from the staged bytes).
 fn write_staged(
-    stream: &mut &TcpStream,
+    stream: &mut Out<'_>,
     chunk: &Chunk,
     head: &mut Vec<u8>,
     ring: &mut Staging,
@@ -1066,7 +1078,7 @@ fn write_staged(
 }
 
 /// Writes one chunk: header, manifest, then (for writes) every payload and the crc trailer.
-fn write_chunk(stream: &mut &TcpStream, chunk: &Chunk, head: &mut Vec<u8>) -> std::io::Result<()> {
+fn write_chunk(stream: &mut Out<'_>, chunk: &Chunk, head: &mut Vec<u8>) -> std::io::Result<()> {
     encode_head(chunk, head);
     if chunk.job.opcode == Opcode::Read {
         return stream.write_all(head);

@@ -12,6 +12,7 @@ use std::time::{Instant, SystemTime};
 use tracing::{debug, info};
 
 use super::TransportKind;
+use super::data_stream::{DataStream, Out};
 use super::io::{
     SpinReader, discard, extend_to_len, hang_up, read_exact_vectored, read_to_len, spin_fill,
     write_all_vectored,
@@ -44,7 +45,7 @@ const READ_AHEAD: usize = 16 << 10;
 
 pub(crate) fn serve_conn(
     target: Arc<Target>,
-    mut stream: TcpStream,
+    stream: TcpStream,
     peer: String,
     admission: Admission<TcpStream>,
 ) {
@@ -52,16 +53,14 @@ pub(crate) fn serve_conn(
         // The connection still works, with the kernel's buffers.
         debug!(%peer, error = %e, "tcp buffer sizes not set");
     }
-    if let Some(tls) = &target.config.tls {
-        let deadline = std::time::Instant::now() + target.config.handshake_timeout;
-        match super::tls_relay::server(stream, tls, deadline) {
-            Ok(plain) => stream = plain,
-            Err(e) => {
-                debug!(%peer, error = %e, "tls handshake refused");
-                return;
-            }
+    let deadline = std::time::Instant::now() + target.config.handshake_timeout;
+    let mut stream = match DataStream::accept(stream, target.config.tls.as_ref(), deadline) {
+        Ok(s) => s,
+        Err(e) => {
+            debug!(%peer, error = %e, "tls handshake refused");
+            return;
         }
-    }
+    };
     if handshake::accept(
         &mut stream,
         &peer,
@@ -76,8 +75,8 @@ pub(crate) fn serve_conn(
     {
         return;
     }
-    let input = match stream.try_clone() {
-        Ok(s) => BufReader::with_capacity(READ_AHEAD, SpinReader::new(s)),
+    let (writer, input) = match stream.split() {
+        Ok((w, r)) => (w, BufReader::with_capacity(READ_AHEAD, r)),
         Err(e) => {
             info!(%peer, error = %e, "closing tcp data connection");
             return;
@@ -94,7 +93,7 @@ pub(crate) fn serve_conn(
         staging: None,
     };
     loop {
-        match conn.serve_one(&mut stream) {
+        match conn.serve_one(&mut writer.lock()) {
             Ok(()) => {}
             Err(Error::PeerClosed { .. }) | Err(Error::ShuttingDown) => break,
             Err(e) if e.timed_out() => {
@@ -105,8 +104,11 @@ pub(crate) fn serve_conn(
             Err(e) => {
                 // The stream can no longer be trusted to be in step: say why, then hang up.
                 info!(peer = %conn.peer, error = %e, "closing tcp data connection");
-                send_error(&mut stream, FrameKind::Ack, 0, &e);
-                hang_up(&mut stream);
+                send_error(&mut writer.lock(), FrameKind::Ack, 0, &e);
+                writer.close_notify();
+                if let Ok(mut s) = writer.socket().try_clone() {
+                    hang_up(&mut s);
+                }
                 break;
             }
         }
@@ -150,7 +152,7 @@ impl Checked {
 }
 
 impl ServerConn {
-    fn serve_one(&mut self, s: &mut TcpStream) -> Result<()> {
+    fn serve_one(&mut self, s: &mut Out<'_>) -> Result<()> {
         let spin = self.target.config.spin_wait;
         // The initiator's next request often follows its last reply within microseconds;
         // whether it came or not, the read below waits as ever (with the idle timeout).
@@ -404,7 +406,7 @@ impl ServerConn {
         Ok(self.staging.as_mut().expect("just made"))
     }
 
-    fn write(&mut self, s: &mut TcpStream, h: &Header) -> Result<()> {
+    fn write(&mut self, s: &mut Out<'_>, h: &Header) -> Result<()> {
         let checked = self.manifest(h, true)?;
         let peer = self.peer.clone();
         let io = |e| closed_or_io(e, &peer);
@@ -466,7 +468,7 @@ impl ServerConn {
         s.write_all(&ack.encode()).map_err(io)
     }
 
-    fn read(&mut self, s: &mut TcpStream, h: &Header) -> Result<()> {
+    fn read(&mut self, s: &mut Out<'_>, h: &Header) -> Result<()> {
         let checked = self.manifest(h, false)?;
         let peer = self.peer.clone();
         let io = |e| closed_or_io(e, &peer);

@@ -1,0 +1,736 @@
+//! A tcp data connection, plaintext or TLS. With TLS, rustls shakes hands on the socket itself
+//! (both certificates checked against the CA, within the caller's deadline) and hands the
+//! traffic secrets over; from then on the transport's writer seals records in the buffer it
+//! writes from and its reader opens them in the buffer it reads into (`tls_record`): no relay
+//! thread, no loopback socket, no copy beyond the one encryption needs. The data secret's
+//! challenge–response runs inside, as ever.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use rustls::client::UnbufferedClientConnection;
+use rustls::server::UnbufferedServerConnection;
+use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
+
+use super::io::{Socket, SpinReader, Until};
+use super::tls_record::{Kernel, Key, Keys, MAX_PLAIN, Opener, Sealer};
+use crate::data_tls::DataTls;
+
+/// Plaintext sealed per system call: a few records, so one write moves them all.
+const SEAL_BATCH: usize = 16 * MAX_PLAIN;
+/// Handshake bytes held at most (certificate chains are a few KiB).
+const HANDSHAKE_MAX: usize = 256 << 10;
+
+/// A data connection before it is split into the writer's and the reader's halves.
+pub(crate) enum DataStream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream>),
+}
+
+/// Both directions of a TLS data connection, for the handshake and the server's control path.
+pub(crate) struct TlsStream {
+    sock: TcpStream,
+    seal: Sealing,
+    opener: Opener,
+}
+
+struct Sealing {
+    sealer: Sealer,
+    /// Sealed records not yet written: reused, one batch at a time.
+    out: Vec<u8>,
+}
+
+impl DataStream {
+    /// The initiator's side: TLS over `sock` when `tls` is set, verifying the target.
+    pub(crate) fn connect(
+        sock: TcpStream,
+        tls: Option<&DataTls>,
+        deadline: Instant,
+    ) -> io::Result<DataStream> {
+        let Some(tls) = tls else {
+            return Ok(DataStream::Plain(sock));
+        };
+        let now = tls.current();
+        let mut conn = UnbufferedClientConnection::new(now.client.clone(), now.server_name.clone())
+            .map_err(io::Error::other)?;
+        let mut sock = sock;
+        let early = handshake(&mut conn, &mut sock, deadline)?;
+        let (secrets, kernel) = conn
+            .dangerous_into_kernel_connection()
+            .map_err(io::Error::other)?;
+        TlsStream::stream(sock, secrets, Kernel::Client(kernel), early)
+    }
+
+    /// The target's side: TLS over `sock` when `tls` is set, requiring a client certificate.
+    pub(crate) fn accept(
+        sock: TcpStream,
+        tls: Option<&DataTls>,
+        deadline: Instant,
+    ) -> io::Result<DataStream> {
+        let Some(tls) = tls else {
+            return Ok(DataStream::Plain(sock));
+        };
+        let mut conn = UnbufferedServerConnection::new(tls.current().server.clone())
+            .map_err(io::Error::other)?;
+        let mut sock = sock;
+        let early = handshake(&mut conn, &mut sock, deadline)?;
+        let (secrets, kernel) = conn
+            .dangerous_into_kernel_connection()
+            .map_err(io::Error::other)?;
+        TlsStream::stream(sock, secrets, Kernel::Server(kernel), early)
+    }
+
+    /// From here on batches carry their own deadlines.
+    pub(crate) fn clear_timeouts(&self) -> io::Result<()> {
+        self.socket().set_read_timeout(None)?;
+        self.socket().set_write_timeout(None)
+    }
+
+    fn socket(&self) -> &TcpStream {
+        match self {
+            DataStream::Plain(s) => s,
+            DataStream::Tls(t) => &t.sock,
+        }
+    }
+
+    /// The writer's half and the reader's; whatever the reader already holds goes with it.
+    pub(crate) fn split(self) -> io::Result<(DataWriter, SpinReader<TcpStream>)> {
+        match self {
+            DataStream::Plain(s) => {
+                let reader = SpinReader::new(s.try_clone()?);
+                Ok((
+                    DataWriter {
+                        sock: s,
+                        seal: None,
+                    },
+                    reader,
+                ))
+            }
+            DataStream::Tls(t) => {
+                let TlsStream { sock, seal, opener } = *t;
+                let reader = SpinReader::with_opener(sock.try_clone()?, opener);
+                Ok((
+                    DataWriter {
+                        sock,
+                        seal: Some(Mutex::new(seal)),
+                    },
+                    reader,
+                ))
+            }
+        }
+    }
+}
+
+impl TlsStream {
+    /// The stream rustls' handshake left: its secrets, its kernel half, the bytes behind it.
+    fn stream(
+        sock: TcpStream,
+        secrets: rustls::ExtractedSecrets,
+        kernel: Kernel,
+        early: Early,
+    ) -> io::Result<DataStream> {
+        let keys = Keys::new(kernel);
+        let tx = Key::new(secrets.tx)?;
+        let rx = Key::new(secrets.rx)?;
+        Ok(DataStream::Tls(Box::new(TlsStream {
+            sock,
+            seal: Sealing {
+                sealer: Sealer::new(tx, keys.clone()),
+                out: Vec::new(),
+            },
+            opener: Opener::new(rx, keys, &early.plain, &early.raw),
+        })))
+    }
+}
+
+/// The two kinds of unbuffered rustls connection, to one handshake loop.
+trait Handshaking {
+    type Data;
+    fn process<'c, 'i>(
+        &'c mut self,
+        incoming: &'i mut [u8],
+    ) -> UnbufferedStatus<'c, 'i, Self::Data>;
+    fn handshaking(&self) -> bool;
+}
+
+impl Handshaking for UnbufferedClientConnection {
+    type Data = rustls::client::ClientConnectionData;
+    fn process<'c, 'i>(
+        &'c mut self,
+        incoming: &'i mut [u8],
+    ) -> UnbufferedStatus<'c, 'i, Self::Data> {
+        self.process_tls_records(incoming)
+    }
+    fn handshaking(&self) -> bool {
+        self.is_handshaking()
+    }
+}
+
+impl Handshaking for UnbufferedServerConnection {
+    type Data = rustls::server::ServerConnectionData;
+    fn process<'c, 'i>(
+        &'c mut self,
+        incoming: &'i mut [u8],
+    ) -> UnbufferedStatus<'c, 'i, Self::Data> {
+        self.process_tls_records(incoming)
+    }
+    fn handshaking(&self) -> bool {
+        self.is_handshaking()
+    }
+}
+
+/// What the peer sent behind its last handshake message: records rustls already opened, and
+/// raw bytes it did not look at.
+#[derive(Default)]
+struct Early {
+    plain: Vec<u8>,
+    raw: Vec<u8>,
+}
+
+fn too_long(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("tls handshake: {what} over {HANDSHAKE_MAX} bytes"),
+    )
+}
+
+/// Drives a rustls handshake to its end on `sock`, every read and write by `deadline`.
+fn handshake<C: Handshaking>(
+    conn: &mut C,
+    sock: &mut TcpStream,
+    deadline: Instant,
+) -> io::Result<Early> {
+    let mut incoming = vec![0u8; 16 << 10];
+    let mut filled = 0;
+    let mut outgoing = vec![0u8; 16 << 10];
+    let mut pending = 0;
+    let mut early = Early::default();
+    // After an error rustls still hands out the alert that says why: the peer gets it.
+    let mut failed: Option<rustls::Error> = None;
+    loop {
+        let status = conn.process(&mut incoming[..filled]);
+        let discard = status.discard;
+        let (mut read_more, mut traffic) = (false, false);
+        let state = match (status.state, failed.take()) {
+            // The alert, once: processing again would meet the same fault.
+            (Ok(ConnectionState::EncodeTlsData(mut alert)), Some(e)) => {
+                outgoing.resize(pending + 64, 0);
+                if let Ok(n) = alert.encode(&mut outgoing[pending..]) {
+                    let _ = Until { s: sock, deadline }.write_all(&outgoing[..pending + n]);
+                }
+                return Err(io::Error::other(e));
+            }
+            (_, Some(e)) => return Err(io::Error::other(e)),
+            (Err(e), None) => {
+                failed = Some(e);
+                incoming.copy_within(discard..filled, 0);
+                filled -= discard;
+                continue;
+            }
+            (Ok(s), None) => s,
+        };
+        match state {
+            ConnectionState::EncodeTlsData(mut e) => loop {
+                match e.encode(&mut outgoing[pending..]) {
+                    Ok(n) => {
+                        pending += n;
+                        break;
+                    }
+                    Err(EncodeError::InsufficientSize(s)) => {
+                        if pending + s.required_size > HANDSHAKE_MAX {
+                            return Err(too_long("our flight"));
+                        }
+                        outgoing.resize(pending + s.required_size, 0);
+                    }
+                    Err(e) => return Err(io::Error::other(e)),
+                }
+            },
+            ConnectionState::TransmitTlsData(t) => {
+                Until { s: sock, deadline }.write_all(&outgoing[..pending])?;
+                pending = 0;
+                t.done();
+            }
+            ConnectionState::BlockedHandshake => read_more = true,
+            ConnectionState::WriteTraffic(_) => traffic = true,
+            // The peer spoke right behind its Finished, in the bytes we read with it.
+            ConnectionState::ReadTraffic(mut r) => {
+                while let Some(record) = r.next_record() {
+                    let record = record.map_err(io::Error::other)?;
+                    if early.plain.len() + record.payload.len() > HANDSHAKE_MAX {
+                        return Err(too_long("early data"));
+                    }
+                    early.plain.extend_from_slice(record.payload);
+                }
+            }
+            other => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("tls handshake ended in {other:?}"),
+                ));
+            }
+        }
+        incoming.copy_within(discard..filled, 0);
+        filled -= discard;
+        if traffic {
+            // A server may send before the client's Finished; we wait for it (client auth).
+            if !conn.handshaking() {
+                early.raw = incoming[..filled].to_vec();
+                return Ok(early);
+            }
+            read_more = true;
+        }
+        if read_more {
+            if filled == incoming.len() {
+                if incoming.len() >= HANDSHAKE_MAX {
+                    return Err(too_long("the peer's flight"));
+                }
+                incoming.resize(incoming.len() * 2, 0);
+            }
+            let n = Until { s: sock, deadline }.read(&mut incoming[filled..])?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            filled += n;
+        }
+    }
+}
+
+impl Sealing {
+    /// Seals up to a batch of `bufs` and writes it whole; returns the plaintext bytes taken.
+    fn write_vectored(&mut self, sock: &TcpStream, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.out.clear();
+        let n = self.sealer.seal(bufs, SEAL_BATCH, &mut self.out)?;
+        if let Err(e) = (&*sock).write_all(&self.out) {
+            // Part of a record may be on the wire: nothing sealed after it could be read.
+            self.sealer.break_off();
+            return Err(e);
+        }
+        Ok(n)
+    }
+}
+
+impl Read for DataStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            DataStream::Plain(s) => s.read(buf),
+            DataStream::Tls(t) => {
+                let sock = &t.sock;
+                t.opener
+                    .read(&mut [IoSliceMut::new(buf)], |b| (&*sock).read(b))
+            }
+        }
+    }
+}
+
+impl Write for DataStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            DataStream::Plain(s) => s.write_vectored(bufs),
+            DataStream::Tls(t) => t.seal.write_vectored(&t.sock, bufs),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl kvfabric_rt::admission::Shed for DataStream {
+    fn shed(&self) {
+        let _ = self.socket().shutdown(Shutdown::Both);
+    }
+}
+
+impl Socket for DataStream {
+    fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        self.socket().shutdown(how)
+    }
+    fn set_timeout(&self, t: Duration) -> io::Result<()> {
+        self.socket().set_read_timeout(Some(t))
+    }
+    fn set_send_timeout(&self, t: Duration) -> io::Result<()> {
+        self.socket().set_write_timeout(Some(t))
+    }
+    fn duplicate(&self) -> io::Result<Self> {
+        match self {
+            DataStream::Plain(s) => s.try_clone().map(DataStream::Plain),
+            // One session cannot be written from two places.
+            DataStream::Tls(_) => Err(io::ErrorKind::Unsupported.into()),
+        }
+    }
+}
+
+/// The sending half of a data connection, shared by whoever holds the connection's turn to
+/// write (the sealer's lock is then never contended).
+#[derive(Debug)]
+pub(crate) struct DataWriter {
+    sock: TcpStream,
+    seal: Option<Mutex<Sealing>>,
+}
+
+impl std::fmt::Debug for Sealing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sealing")
+    }
+}
+
+impl DataWriter {
+    pub(crate) fn socket(&self) -> &TcpStream {
+        &self.sock
+    }
+
+    /// A writer for the holder of the turn to write.
+    pub(crate) fn lock(&self) -> Out<'_> {
+        Out {
+            sock: &self.sock,
+            seal: self
+                .seal
+                .as_ref()
+                .map(|m| m.lock().unwrap_or_else(PoisonError::into_inner)),
+        }
+    }
+
+    /// `plain` as the bytes to put on the wire (sealed, under TLS).
+    pub(crate) fn wire_bytes(&self, plain: Vec<u8>) -> io::Result<Vec<u8>> {
+        let Some(seal) = &self.seal else {
+            return Ok(plain);
+        };
+        let mut seal = seal.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut out = Vec::with_capacity(plain.len() + plain.len() / MAX_PLAIN * 22 + 22);
+        seal.sealer
+            .seal(&[IoSlice::new(&plain)], plain.len(), &mut out)?;
+        Ok(out)
+    }
+
+    /// Says close_notify to a TLS peer, if nobody is writing now (best effort: the socket is
+    /// shut down next either way).
+    pub(crate) fn close_notify(&self) {
+        let Some(Ok(mut seal)) = self.seal.as_ref().map(|m| m.try_lock()) else {
+            return;
+        };
+        let mut out = Vec::new();
+        if seal.sealer.close_notify(&mut out).is_ok() {
+            let _ = rustix::net::send(
+                &self.sock,
+                &out,
+                rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+            );
+        }
+        seal.sealer.break_off();
+    }
+}
+
+/// Writes for the holder of the turn to write: straight to the socket, or sealed.
+pub(crate) struct Out<'a> {
+    sock: &'a TcpStream,
+    seal: Option<MutexGuard<'a, Sealing>>,
+}
+
+impl Out<'_> {
+    /// Bytes already on the wire's terms (sealed before), written as they are.
+    pub(crate) fn write_wire(&mut self, bytes: &[u8]) -> io::Result<()> {
+        let r = self.sock.write_all(bytes);
+        if r.is_err()
+            && let Some(s) = &mut self.seal
+        {
+            s.sealer.break_off();
+        }
+        r
+    }
+}
+
+impl Write for Out<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match &mut self.seal {
+            None => self.sock.write_vectored(bufs),
+            Some(s) => s.write_vectored(self.sock, bufs),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+    use std::thread;
+
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+    use super::super::tls_record::RecordError;
+    use super::*;
+
+    const NAME: &str = "t.default.kvfabric";
+
+    /// A CA and one certificate of it for `NAME`, as both sides' configuration.
+    fn tls() -> DataTls {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec![NAME.to_string()])
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        DataTls::new(
+            vec![cert.der().clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            vec![CertificateDer::from(ca.der().to_vec())],
+            NAME,
+        )
+        .unwrap()
+    }
+
+    fn deadline() -> Instant {
+        Instant::now() + Duration::from_secs(10)
+    }
+
+    /// Both ends of one TLS data connection over loopback tcp.
+    fn pair(
+        client: &DataTls,
+        server: &DataTls,
+    ) -> (io::Result<DataStream>, io::Result<DataStream>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = server.clone();
+        let accepted = thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            DataStream::accept(s, Some(&server), deadline())
+        });
+        let c = DataStream::connect(TcpStream::connect(addr).unwrap(), Some(client), deadline());
+        (c, accepted.join().unwrap())
+    }
+
+    fn tls_pair() -> (Box<TlsStream>, Box<TlsStream>) {
+        let t = tls();
+        match pair(&t, &t) {
+            (Ok(DataStream::Tls(c)), Ok(DataStream::Tls(s))) => (c, s),
+            _ => panic!("tls handshake failed"),
+        }
+    }
+
+    fn pattern(len: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    fn record_error(e: &io::Error) -> Option<RecordError> {
+        e.get_ref()?.downcast_ref::<RecordError>().cloned()
+    }
+
+    #[test]
+    fn bytes_cross_both_ways_through_the_split_halves_and_key_updates() {
+        let (mut c, mut s) = tls_pair();
+        // A key update every 5 records each way (the real limit is millions).
+        c.seal.sealer.update_after = 5;
+        s.seal.sealer.update_after = 5;
+        let data = pattern(3 << 20, 7);
+        let echo = thread::spawn(move || {
+            let (w, mut r) = DataStream::Tls(s).split().unwrap();
+            let mut got = vec![0u8; 3 << 20];
+            // Scattered over many destinations, as a chunk's pieces are.
+            let mut bufs: Vec<IoSliceMut<'_>> =
+                got.chunks_mut(40_000).map(IoSliceMut::new).collect();
+            super::super::io::read_exact_vectored(&mut r, &mut bufs).unwrap();
+            w.lock().write_all(&got).unwrap();
+            let updates = w.seal.as_ref().unwrap().lock().unwrap().sealer.updates;
+            (got, updates, r)
+        });
+        let (w, mut r) = DataStream::Tls(c).split().unwrap();
+        let halves: Vec<IoSlice<'_>> = data.chunks(100_000).map(IoSlice::new).collect();
+        super::super::io::write_all_vectored(&mut w.lock(), &mut halves.clone()).unwrap();
+        let mut back = vec![0u8; 3 << 20];
+        r.read_exact(&mut back).unwrap();
+        let (got, server_updates, _r) = echo.join().unwrap();
+        assert!(got == data && back == data, "every byte, both ways");
+        let client_updates = w.seal.as_ref().unwrap().lock().unwrap().sealer.updates;
+        // 3 MiB = 192 records: an update every 5.
+        assert!(
+            client_updates >= 30 && server_updates >= 30,
+            "{client_updates} {server_updates}"
+        );
+    }
+
+    /// Writes `wire` as raw bytes on the client's socket and reads what the server makes of it
+    /// into a zeroed buffer: the error, and whether any byte landed.
+    fn server_reads(
+        c: &TlsStream,
+        s: Box<TlsStream>,
+        wire: &[u8],
+        len: usize,
+    ) -> (io::Result<()>, bool) {
+        (&c.sock).write_all(wire).unwrap();
+        c.sock.shutdown(Shutdown::Write).unwrap();
+        let (_w, mut r) = DataStream::Tls(s).split().unwrap();
+        let mut dst = vec![0u8; len];
+        let got = r.read_exact(&mut dst);
+        (got, dst.iter().any(|&b| b != 0))
+    }
+
+    fn sealed(c: &mut TlsStream, plain: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        c.seal
+            .sealer
+            .seal(&[IoSlice::new(plain)], plain.len(), &mut out)
+            .unwrap();
+        out
+    }
+
+    #[test]
+    fn a_flipped_bit_fails_the_connection_and_lands_no_byte() {
+        for at in [0usize, 3, 4, 5, 100, 16_000] {
+            let (mut c, s) = tls_pair();
+            let plain = pattern(16_384, 3);
+            let mut wire = sealed(&mut c, &plain);
+            wire[at] ^= 0x10;
+            let (got, landed) = server_reads(&c, s, &wire, plain.len());
+            let e = got.unwrap_err();
+            assert!(record_error(&e).is_some(), "flip at {at}: {e}");
+            assert!(!landed, "flip at {at}: plaintext of a bad record landed");
+        }
+    }
+
+    #[test]
+    fn a_replayed_or_reordered_record_fails() {
+        let (mut c, s) = tls_pair();
+        let first = sealed(&mut c, b"first");
+        let mut wire = first.clone();
+        wire.extend_from_slice(&first);
+        let (got, _) = server_reads(&c, s, &wire, 10);
+        assert_eq!(
+            record_error(&got.unwrap_err()),
+            Some(RecordError::Authentication { seq: 1 })
+        );
+
+        let (mut c, s) = tls_pair();
+        let a = sealed(&mut c, b"aaaa");
+        let b = sealed(&mut c, b"bbbb");
+        let (got, landed) = server_reads(&c, s, &[b, a].concat(), 8);
+        assert_eq!(
+            record_error(&got.unwrap_err()),
+            Some(RecordError::Authentication { seq: 0 })
+        );
+        assert!(!landed);
+    }
+
+    #[test]
+    fn bad_headers_are_named_and_a_cut_record_is_an_error_not_an_end() {
+        let (mut c, s) = tls_pair();
+        let mut wire = sealed(&mut c, b"x");
+        wire[0] = 22;
+        let e = server_reads(&c, s, &wire, 1).0.unwrap_err();
+        assert!(
+            matches!(
+                record_error(&e),
+                Some(RecordError::Header { field: "type", .. })
+            ),
+            "{e}"
+        );
+
+        let (mut c, s) = tls_pair();
+        let mut wire = sealed(&mut c, b"x");
+        wire[3..5].copy_from_slice(&20_000u16.to_be_bytes());
+        let e = server_reads(&c, s, &wire, 1).0.unwrap_err();
+        assert!(
+            matches!(
+                record_error(&e),
+                Some(RecordError::Header {
+                    field: "length",
+                    ..
+                })
+            ),
+            "{e}"
+        );
+
+        let (mut c, s) = tls_pair();
+        let wire = sealed(&mut c, &pattern(1000, 1));
+        let e = server_reads(&c, s, &wire[..500], 1000).0.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+    }
+
+    #[test]
+    fn close_notify_ends_the_stream_cleanly() {
+        let (mut c, s) = tls_pair();
+        let mut wire = sealed(&mut c, b"last words");
+        c.seal.sealer.close_notify(&mut wire).unwrap();
+        (&c.sock).write_all(&wire).unwrap();
+        let (_w, mut r) = DataStream::Tls(s).split().unwrap();
+        let mut all = Vec::new();
+        // Ends at close_notify, though the socket stays open.
+        r.read_to_end(&mut all).unwrap();
+        assert_eq!(all, b"last words");
+    }
+
+    #[test]
+    fn a_certificate_of_another_ca_is_refused_both_ways() {
+        let (ours, theirs) = (tls(), tls());
+        let (c, s) = pair(&theirs, &ours);
+        assert!(c.is_err() || s.is_err());
+        assert!(s.is_err(), "the target took a stranger's certificate");
+        let (c, _s) = pair(&ours, &theirs);
+        assert!(c.is_err(), "the initiator took a stranger's target");
+    }
+
+    /// Our records against a plain rustls peer (its own record layer): both directions, a key
+    /// update each way (theirs asks for ours), and their close_notify.
+    #[test]
+    fn a_plain_rustls_peer_reads_and_writes_our_records() {
+        let t = tls();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let config = t.server_config();
+        let peer = thread::spawn(move || {
+            let (sock, _) = l.accept().unwrap();
+            let conn = rustls::ServerConnection::new(config).unwrap();
+            let mut s = rustls::StreamOwned::new(conn, sock);
+            let mut got = vec![0u8; 1 << 20];
+            s.read_exact(&mut got).unwrap();
+            s.conn.refresh_traffic_keys().unwrap();
+            s.write_all(&got).unwrap();
+            // Our sealer updated its key when asked: this is read under the newer one.
+            let mut tail = [0u8; 4];
+            s.read_exact(&mut tail).unwrap();
+            assert_eq!(&tail, b"tail");
+            s.conn.send_close_notify();
+            s.flush().unwrap();
+            got
+        });
+        let DataStream::Tls(mut c) =
+            DataStream::connect(TcpStream::connect(addr).unwrap(), Some(&t), deadline()).unwrap()
+        else {
+            panic!("plaintext")
+        };
+        c.seal.sealer.update_after = 7;
+        let data = pattern(1 << 20, 11);
+        let (w, mut r) = DataStream::Tls(c).split().unwrap();
+        w.lock().write_all(&data).unwrap();
+        let mut back = vec![0u8; 1 << 20];
+        r.read_exact(&mut back).unwrap();
+        assert!(back == data);
+        w.lock().write_all(b"tail").unwrap();
+        assert_eq!(r.read(&mut [0u8; 8]).unwrap(), 0, "their close_notify");
+        assert!(peer.join().unwrap() == data);
+        let sealer_updates = w.seal.as_ref().unwrap().lock().unwrap().sealer.updates;
+        assert!(sealer_updates >= 9, "{sealer_updates}");
+    }
+}
