@@ -1,7 +1,8 @@
-//! `kvfabric bench --through-agent`: the same pulls, once engine to engine and once worker →
-//! local agent → peer agent → worker memory (two agents in this process on a shared in-memory
-//! registry, tcp on loopback), alternating rounds; every destination byte verified after each
-//! phase, the source pool at the end.
+//! `kvfabric bench --through-agent`: the same pulls (or pushes, `--op write`), once engine to
+//! engine and once worker → local agent → peer agent → worker memory (two agents in this process
+//! on a shared in-memory registry, tcp on loopback), alternating rounds; with `--tls` a second
+//! pair of agents with mTLS joins the rounds, so TLS is measured against plaintext in the same
+//! run. Every destination byte is verified after each phase, the source pool at the end.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use rand::seq::SliceRandom;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::args::{BenchArgs, CorruptArg};
+use crate::args::{BenchArgs, CorruptArg, OpArg};
 use crate::error::{Error, Result};
 use crate::pattern::{self, Expectation, Verdict};
 use crate::stats::median;
@@ -33,12 +34,25 @@ pub struct Report {
     pub block_size: u64,
     pub blocks_per_batch: usize,
     pub concurrency: usize,
+    /// read (pull) or write (push).
+    pub op: &'static str,
     pub engine_gbps: Vec<f64>,
     pub agent_gbps: Vec<f64>,
     pub engine_median_gbps: f64,
     pub agent_median_gbps: f64,
     /// through the agents / engine only.
     pub ratio: f64,
+    /// With `--tls`: the same through a pair of agents with mTLS on both ports.
+    pub tls_gbps: Vec<f64>,
+    pub tls_median_gbps: Option<f64>,
+    /// mTLS / plaintext, both through the agents.
+    pub tls_ratio: Option<f64>,
+    /// AES-256-GCM (the suite the agents agree on) sealing 16 KiB records on one core, GB/s,
+    /// measured in this run.
+    pub aead_gbps: Option<f64>,
+    /// What mTLS can reach here: the plaintext path's CPU time per byte plus one seal and one
+    /// open per byte at `aead_gbps`, spread over every core (never above plaintext), GB/s.
+    pub tls_bound_gbps: Option<f64>,
     /// Bytes compared with what they must hold: the destination after every phase, the source
     /// at the end.
     pub verified: u64,
@@ -118,9 +132,11 @@ pub async fn run(
     };
     let target = Engine::new(engine_cfg("bench-engine-target"))?;
     let initiator = Engine::new(engine_cfg("bench-engine-initiator"))?;
-    let key = AccessKey::random();
-    let t_src = target.register_memfd(dup(&src)?, key)?;
-    let i_dst = initiator.register_memfd(dup(&dst)?, AccessKey::random())?;
+    let write = args.op == Some(OpArg::Write);
+    // The target holds the source for pulls, the destination for pushes.
+    let (t_pool, i_pool) = if write { (&dst, &src) } else { (&src, &dst) };
+    let t_mem = target.register_memfd(dup(t_pool)?, AccessKey::random())?;
+    let i_mem = initiator.register_memfd(dup(i_pool)?, AccessKey::random())?;
     let (stop, rx) = watch::channel(false);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -149,12 +165,28 @@ pub async fn run(
     );
     let engine_ops: Vec<BlockOp> = ops
         .iter()
-        .map(|o| BlockOp {
-            local_region: i_dst.id(),
-            local_offset: o.local_offset,
-            remote_region: t_src.id(),
-            remote_offset: o.remote_offset,
-            len: o.len,
+        .map(|o| {
+            let (local_offset, remote_offset) = if write {
+                (o.remote_offset, o.local_offset)
+            } else {
+                (o.local_offset, o.remote_offset)
+            };
+            BlockOp {
+                local_region: i_mem.id(),
+                local_offset,
+                remote_region: t_mem.id(),
+                remote_offset,
+                len: o.len,
+            }
+        })
+        .collect();
+    // A push goes from the prefill's pool: its ops name the source place locally.
+    let push_ops: Vec<Op> = ops
+        .iter()
+        .map(|o| Op {
+            local_offset: o.remote_offset,
+            remote_offset: o.local_offset,
+            ..o.clone()
         })
         .collect();
 
@@ -175,26 +207,51 @@ pub async fn run(
     } else {
         None
     };
-    let config = |name: &str| {
+    let config = |name: &str, tls: Option<kvfabric_agent::peer_tls::PeerTls>| {
         let mut c = InProcessAgent::config(name);
         c.fabric = "bench".into();
         c.transports = vec![TransportKind::Tcp];
         c.tcp_connections = args.connections;
         c.tcp_buffer = args.tcp_buffer;
-        c.tls = tls.clone();
+        c.tls = tls;
         c
     };
-    let a =
-        InProcessAgent::start(config("bench-prefill"), store.registry(), telemetry.clone()).await?;
-    let b =
-        InProcessAgent::start(config("bench-decode"), store.registry(), telemetry.clone()).await?;
-    let prefill = Client::connect(a.socket_dir()).await?;
-    let decode = Client::connect(b.socket_dir()).await?;
-    let p = prefill.register("bench-kv-src", &[&src], None).await?;
-    let d = decode.register("bench-kv-dst", &[&dst], None).await?;
+    let mut pairs = Vec::new();
+    for (suffix, tls) in [("", None)]
+        .into_iter()
+        .chain(tls.map(|t| ("-tls", Some(t))))
+    {
+        let a = InProcessAgent::start(
+            config(&format!("bench-prefill{suffix}"), tls.clone()),
+            store.registry(),
+            telemetry.clone(),
+        )
+        .await?;
+        let b = InProcessAgent::start(
+            config(&format!("bench-decode{suffix}"), tls),
+            store.registry(),
+            telemetry.clone(),
+        )
+        .await?;
+        let prefill = Client::connect(a.socket_dir()).await?;
+        let decode = Client::connect(b.socket_dir()).await?;
+        let src_name = format!("bench-kv-src{suffix}");
+        let dst_name = format!("bench-kv-dst{suffix}");
+        let p = prefill.register(&src_name, &[&src], None).await?;
+        let d = decode.register(&dst_name, &[&dst], None).await?;
+        pairs.push(Pair {
+            agents: [a, b],
+            prefill,
+            decode,
+            p,
+            d,
+            src_name,
+            dst_name,
+        });
+    }
 
     let slice = Duration::from_secs_f64((args.duration / ROUNDS as f64).max(0.5));
-    let (mut engine_gbps, mut agent_gbps) = (Vec::new(), Vec::new());
+    let (mut engine_gbps, mut agent_gbps, mut tls_gbps) = (Vec::new(), Vec::new(), Vec::new());
     let mut verdicts: Vec<(String, Verdict)> = Vec::new();
     let poison = || {
         // SAFETY: no transfer in flight between phases.
@@ -218,24 +275,37 @@ pub async fn run(
         engine_gbps.push(bytes);
         verdicts.push(check("engine → engine", round));
 
-        poison();
-        let bytes = timed(args.concurrency, slice, |_| {
-            let (decode, d, ops, key) = (decode.clone(), d.clone(), ops.clone(), p.key);
-            async move { Ok(decode.read(&d, "bench-kv-src", key, &ops).await?.bytes) }
-        })
-        .await?;
-        agent_gbps.push(bytes);
-        if round == 0 && args.test_corrupt == Some(CorruptArg::Destination) {
-            corrupt(CorruptArg::Destination, &dst, block);
+        for (i, pair) in pairs.iter().enumerate() {
+            poison();
+            let bytes = timed(args.concurrency, slice, |_| {
+                pair.batch(write, &ops, &push_ops)
+            })
+            .await?;
+            if i == 0 {
+                agent_gbps.push(bytes);
+            } else {
+                tls_gbps.push(bytes);
+            }
+            if round == 0 && i == 0 && args.test_corrupt == Some(CorruptArg::Destination) {
+                corrupt(CorruptArg::Destination, &dst, block);
+            }
+            let path = if i == 0 {
+                "the agents"
+            } else {
+                "the agents (mTLS)"
+            };
+            verdicts.push(check(path, round));
         }
-        verdicts.push(check("the agents", round));
     }
     if args.test_corrupt == Some(CorruptArg::Source) {
         corrupt(CorruptArg::Source, &src, block);
     }
     let _ = stop.send(true);
-    b.stop().await?;
-    a.stop().await?;
+    for pair in pairs {
+        let [a, b] = pair.agents;
+        b.stop().await?;
+        a.stop().await?;
+    }
     let _ = serving.await;
     let source = Expectation {
         block_size: block,
@@ -253,20 +323,69 @@ pub async fn run(
         median(&mut engine_gbps.clone()),
         median(&mut agent_gbps.clone()),
     );
+    let t = (!tls_gbps.is_empty()).then(|| median(&mut tls_gbps.clone()));
+    let aead = t.map(|_| aead_gbps());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let bound = aead.map(|x| (1.0 / (1.0 / a + 2.0 / (x * cores))).min(a));
     Ok(Report {
         block_size: block,
         blocks_per_batch: per_batch,
         concurrency: args.concurrency,
+        op: if write { "write" } else { "read" },
         engine_gbps,
         agent_gbps,
         engine_median_gbps: e,
         agent_median_gbps: a,
         ratio: a / e,
+        tls_gbps,
+        tls_median_gbps: t,
+        tls_ratio: t.map(|t| t / a),
+        aead_gbps: aead,
+        tls_bound_gbps: bound,
         verified,
         tracing: telemetry.tracing_enabled(),
         spans_exported: telemetry.counters.exported.get(),
         spans_dropped: telemetry.counters.dropped.get(),
     })
+}
+
+/// Two agents with a worker each: the prefill's holds the source pool, the decode's the
+/// destination.
+struct Pair {
+    agents: [InProcessAgent; 2],
+    prefill: Client,
+    decode: Client,
+    p: kvfabric_client::Segment,
+    d: kvfabric_client::Segment,
+    src_name: String,
+    dst_name: String,
+}
+
+impl Pair {
+    /// One batch: the decode pulls, or the prefill pushes.
+    fn batch(
+        &self,
+        write: bool,
+        ops: &[Op],
+        push_ops: &[Op],
+    ) -> impl Future<Output = Result<u64>> + Send + 'static {
+        let (prefill, decode) = (self.prefill.clone(), self.decode.clone());
+        let (p, d) = (self.p.clone(), self.d.clone());
+        let (src_name, dst_name) = (self.src_name.clone(), self.dst_name.clone());
+        let ops = if write {
+            push_ops.to_vec()
+        } else {
+            ops.to_vec()
+        };
+        async move {
+            let done = if write {
+                prefill.write(&p, &dst_name, d.key, &ops).await?
+            } else {
+                decode.read(&d, &src_name, p.key, &ops).await?
+            };
+            Ok(done.bytes)
+        }
+    }
 }
 
 /// The test hook (`--test-corrupt`): `Destination` flips one byte of destination block 0 after
@@ -281,6 +400,31 @@ fn corrupt(what: CorruptArg, pool: &HostMemory, block: u64) {
     // SAFETY: between phases; no transfer in flight.
     unsafe { pool.as_mut_slice()[at] ^= 0x5a };
     eprintln!("test hook (--test-corrupt): changed byte +{at} of {name} pool block 0");
+}
+
+/// One core sealing 16 KiB records with AES-256-GCM (ring, as rustls and the data port), GB/s.
+fn aead_gbps() -> f64 {
+    use ring::aead::{AES_256_GCM, Aad, LessSafeKey, Nonce, UnboundKey};
+    let key = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &[7; 32]).expect("32-byte key"));
+    let mut record = vec![0x5au8; 16 << 10];
+    let start = Instant::now();
+    let mut sealed = 0u64;
+    let mut seq = 0u64;
+    while start.elapsed() < Duration::from_millis(300) {
+        let mut nonce = [0u8; 12];
+        nonce[4..].copy_from_slice(&seq.to_be_bytes());
+        seq += 1;
+        let tag = key
+            .seal_in_place_separate_tag(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::empty(),
+                &mut record,
+            )
+            .expect("in bounds");
+        let _ = std::hint::black_box(tag);
+        sealed += record.len() as u64;
+    }
+    sealed as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
 /// Keeps `concurrency` batches in flight for `slice`; returns GB/s.
@@ -335,6 +479,15 @@ pub fn table(r: &Report) -> String {
         rounds(&r.agent_gbps),
         format!("{:.2}", r.agent_median_gbps),
     ]);
+    if let Some(m) = r.tls_median_gbps {
+        t.add_row(vec![
+            "the same, mTLS on both ports".to_string(),
+            kvfabric_proto::bytesize::human(r.block_size),
+            r.blocks_per_batch.to_string(),
+            rounds(&r.tls_gbps),
+            format!("{m:.2}"),
+        ]);
+    }
     let tracing = if r.tracing {
         format!(
             "tracing on (100% sampled, OTLP to an in-process receiver): {} spans exported, {} dropped",
@@ -343,8 +496,25 @@ pub fn table(r: &Report) -> String {
     } else {
         "tracing off".into()
     };
+    let tls = match (
+        r.tls_ratio,
+        r.tls_median_gbps,
+        r.tls_bound_gbps,
+        r.aead_gbps,
+    ) {
+        (Some(x), Some(m), Some(bound), Some(aead)) => format!(
+            "\nmTLS through the agents: {:.1}% of plaintext through the agents (target ≥ 80%); \
+             {:.1}% of what {} cores can do ({bound:.2} GB/s: plaintext's CPU per byte plus one \
+             seal and one open at {aead:.2} GB/s, AES-256-GCM on one core, measured now)",
+            x * 100.0,
+            m / bound * 100.0,
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+        ),
+        _ => String::new(),
+    };
     format!(
-        "{t}\nthrough the agents: {:.1}% of engine only (target ≥ 95%); verified: {} (every byte of the destination after each phase, and of the source); {tracing}",
+        "{t}\n{}: through the agents {:.1}% of engine only (target ≥ 95%){tls}\nverified: {} (every byte of the destination after each phase, and of the source); {tracing}",
+        r.op,
         r.ratio * 100.0,
         kvfabric_proto::bytesize::human(r.verified)
     )
