@@ -186,7 +186,7 @@ pub async fn run(
         .map(|o| Op {
             local_offset: o.remote_offset,
             remote_offset: o.local_offset,
-            ..o.clone()
+            ..*o
         })
         .collect();
 
