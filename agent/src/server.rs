@@ -226,6 +226,9 @@ impl Agent {
         let advertise = advertise(&config, &devices);
         let metrics: SharedMetrics = Arc::new(Metrics::new(&telemetry.counters));
         let served = Arc::new(LastServed::new());
+        if config.tls.is_some() && config.tls_data_port {
+            info!(records = %kvfabric_engine::RecordLayer::probe().describe(), "tcp data port TLS");
+        }
         let engine = Engine::new(EngineConfig {
             name: format!("agent-{name}"),
             observer: Some(Arc::new(ServedSpans {

@@ -73,5 +73,11 @@ pub async fn collect(node: &Node) -> StatusDoc {
         segments,
         connections,
         closed_bytes: node.closed_bytes(),
+        data_tls: node
+            .engine
+            .config()
+            .tls
+            .is_some()
+            .then(|| kvfabric_engine::RecordLayer::probe().describe()),
     }
 }

@@ -134,6 +134,7 @@ async fn pull_and_push(transports: &str, expect: &str) {
     assert!(s[63 * block as usize..] == t[..block as usize]);
 
     let status = decode.status().await.unwrap();
+    assert_eq!(status.data_tls, None, "plaintext agents");
     assert_eq!(status.agents.len(), 2, "{status:?}");
     assert_eq!(status.segments.len(), 2);
     assert_eq!(status.connections.len(), 1);

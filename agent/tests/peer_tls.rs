@@ -146,9 +146,11 @@ async fn a_caller_without_a_certificate_of_the_ca_learns_nothing() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
-    // And the agent still serves after the strangers.
+    // And the agent still serves after the strangers, and says how its data port seals.
     let worker = Client::connect(a.socket_dir()).await.unwrap();
-    worker.status().await.unwrap();
+    let doc = worker.status().await.unwrap();
+    let data_tls = doc.data_tls.expect("TLS on the data port is reported");
+    assert!(data_tls.contains("TLS 1.3 records sealed in userspace"), "{data_tls}");
 }
 
 fn pattern(len: u64, seed: u8) -> HostMemory {

@@ -49,6 +49,12 @@ pub fn render(doc: &StatusDoc) -> String {
             .map(|e| format!(", last error: {e}"))
             .unwrap_or_default(),
     );
+    out.push_str(&format!(
+        "tcp data port: {}\n",
+        doc.data_tls
+            .as_deref()
+            .unwrap_or("plaintext (no --tls-dir, or --tls-data-port=false)")
+    ));
     let table = |header: &[&str]| {
         let mut t = Table::new();
         t.load_preset(UTF8_FULL_CONDENSED);

@@ -46,5 +46,7 @@ pub use segment::{
     DESCRIPTOR_VERSION, Endpoints, RdmaKey, RegionDesc, SegmentDescriptor, local_node_id,
 };
 pub use tcp_buffer::TcpBuffer;
+pub use transport::kernel_tls::RecordLayer;
 pub use transport::select::{Preference, Selection};
+pub use transport::tls_record::RecordError;
 pub use transport::{TransportKind, TransportStats};

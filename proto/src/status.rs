@@ -18,6 +18,9 @@ pub struct StatusDoc {
     pub connections: Vec<ConnectionRow>,
     /// Bytes moved by connections that have since closed.
     pub closed_bytes: u64,
+    /// TLS on the tcp data port, and where its records are sealed; None: plaintext.
+    #[serde(default)]
+    pub data_tls: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

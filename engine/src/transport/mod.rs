@@ -18,6 +18,7 @@ pub(crate) mod cuda_ipc;
 pub(crate) mod data_stream;
 pub mod fdpass;
 pub(crate) mod io;
+pub(crate) mod kernel_tls;
 pub(crate) mod listener;
 pub(crate) mod planned_table;
 #[cfg(feature = "rdma")]
