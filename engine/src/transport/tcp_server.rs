@@ -93,7 +93,9 @@ pub(crate) fn serve_conn(
         staging: None,
     };
     loop {
-        match conn.serve_one(&mut writer.lock()) {
+        // The writer's turn ends with the chunk: the error path below takes it again.
+        let served = conn.serve_one(&mut writer.lock());
+        match served {
             Ok(()) => {}
             Err(Error::PeerClosed { .. }) | Err(Error::ShuttingDown) => break,
             Err(e) if e.timed_out() => {
