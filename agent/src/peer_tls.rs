@@ -507,10 +507,13 @@ impl Paths<'_> {
         let certificate =
             describe(leaf).map_err(|e| Error::config("tls-cert", cert.display(), e.to_string()))?;
 
+        // The data port's configurations, but rustls keeps the peer API's secrets to itself.
         let mut server = (*data.server_config()).clone();
         server.alpn_protocols = vec![H2.to_vec()];
+        server.enable_secret_extraction = false;
         let mut client = (*data.client_config()).clone();
         client.alpn_protocols = vec![H2.to_vec()];
+        client.enable_secret_extraction = false;
         Ok(Loaded {
             files,
             server: Arc::new(server),
