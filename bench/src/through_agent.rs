@@ -269,7 +269,12 @@ pub async fn run(
         poison();
         let bytes = timed(args.concurrency, slice, |_| {
             let (peer, ops) = (peer.clone(), engine_ops.clone());
-            async move { Ok(peer.submit(Batch::read(ops))?.wait().await?.bytes) }
+            let batch = if write {
+                Batch::write(ops)
+            } else {
+                Batch::read(ops)
+            };
+            async move { Ok(peer.submit(batch)?.wait().await?.bytes) }
         })
         .await?;
         engine_gbps.push(bytes);
