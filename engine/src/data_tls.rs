@@ -130,6 +130,30 @@ impl DataTls {
     pub fn server_name(&self) -> ServerName<'static> {
         self.current().server_name.clone()
     }
+
+    /// For tests and benchmarks: a CA of its own (a fresh key, trusted by nothing else) and
+    /// one certificate of it for `server_name`, as both sides' configuration.
+    #[cfg(any(test, feature = "bench-helpers"))]
+    pub fn throwaway(server_name: &str) -> DataTls {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+        use rustls::pki_types::PrivatePkcs8KeyDer;
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("no names");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let key = KeyPair::generate().expect("a CA key");
+        let ca = CertifiedIssuer::self_signed(params, key).expect("self-signed");
+        let key = KeyPair::generate().expect("a key");
+        let cert = CertificateParams::new(vec![server_name.to_string()])
+            .expect("a DNS name")
+            .signed_by(&key, &ca)
+            .expect("signed");
+        DataTls::new(
+            vec![cert.der().clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            vec![CertificateDer::from(ca.der().to_vec())],
+            server_name,
+        )
+        .expect("a valid set")
+    }
 }
 
 /// A client certificate verifier that also requires the certificate to carry `name` (a DNS

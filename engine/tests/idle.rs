@@ -11,9 +11,14 @@ use std::time::Duration;
 use common::{config, random_region, spinning_threads, target};
 use kvfabric_engine::{Batch, BlockOp, Engine, EngineConfig, Preference, TransportKind};
 
+/// The two tests take turns: the spinner below would hold one of a 2-core machine's cores while
+/// the idle engine's threads are sampled.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The sampler sees a spinning thread (so its silence below means something).
 #[test]
 fn the_sampler_sees_a_thread_that_spins() {
+    let _turn = ONE_AT_A_TIME.blocking_lock();
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
     let spinner = std::thread::Builder::new()
@@ -32,6 +37,7 @@ fn the_sampler_sees_a_thread_that_spins() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_1_ms_without_batches_no_engine_thread_runs() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     // The engines' own settings are the defaults (spin_wait included); only chunks are small,
     // so batches spread over every tcp connection.
     let t = target(EngineConfig {

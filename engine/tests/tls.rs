@@ -13,30 +13,13 @@ use std::time::Duration;
 use common::{bytes, config, hello_for, random_region, read_challenge, read_frame, target};
 use kvfabric_engine::frame::{FLAG_ERROR, FrameKind, Header, PROTOCOL_VERSION};
 use kvfabric_engine::{
-    Batch, BlockOp, DataTls, Engine, EngineConfig, Preference, RegionId, TransportKind,
+    Batch, BlockOp, DataTls, Engine, EngineConfig, Preference, Region, RegionId, TransportKind,
 };
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 const NAME: &str = "tls-test.default.kvfabric";
 
-/// A CA of its own and a certificate of it for `NAME`.
 fn tls() -> DataTls {
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec![NAME.to_string()])
-        .unwrap()
-        .signed_by(&key, &ca)
-        .unwrap();
-    DataTls::new(
-        vec![cert.der().clone()],
-        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        vec![CertificateDer::from(ca.der().to_vec())],
-        NAME,
-    )
-    .unwrap()
+    DataTls::throwaway(NAME)
 }
 
 fn with_tls(name: &str, tls: &DataTls) -> EngineConfig {
@@ -57,6 +40,18 @@ fn ops(local: RegionId, remote: RegionId, n: u64, len: u64) -> Vec<BlockOp> {
             len,
         })
         .collect()
+}
+
+/// Block i of `local` holds block n-1-i of `remote` (what `ops` moves).
+fn assert_reversed(local: &Region, remote: &Region, n: u64, block: u64, what: &str) {
+    let (l, r, b) = (bytes(local), bytes(remote), block as usize);
+    for i in 0..n as usize {
+        let j = n as usize - 1 - i;
+        assert!(
+            l[i * b..(i + 1) * b] == r[j * b..(j + 1) * b],
+            "{what} block {i}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,15 +77,7 @@ async fn engines_with_mtls_move_every_byte_and_a_stranger_is_refused() {
         .wait()
         .await
         .unwrap();
-    let (l, r) = (bytes(&local), bytes(&remote));
-    for i in 0..n as usize {
-        let j = n as usize - 1 - i;
-        let b = block as usize;
-        assert!(
-            l[i * b..(i + 1) * b] == r[j * b..(j + 1) * b],
-            "pulled block {i}"
-        );
-    }
+    assert_reversed(&local, &remote, n, block, "pulled");
     // Push fresh bytes back, and a lone small op (the inline write path, sealed too).
     let fresh = random_region(&initiator, block * n, 3);
     peer.submit(Batch::write(ops(fresh.id(), remote.id(), n, block)))
@@ -98,15 +85,7 @@ async fn engines_with_mtls_move_every_byte_and_a_stranger_is_refused() {
         .wait()
         .await
         .unwrap();
-    let (f, r) = (bytes(&fresh), bytes(&remote));
-    for i in 0..n as usize {
-        let j = n as usize - 1 - i;
-        let b = block as usize;
-        assert!(
-            f[i * b..(i + 1) * b] == r[j * b..(j + 1) * b],
-            "pushed block {i}"
-        );
-    }
+    assert_reversed(&fresh, &remote, n, block, "pushed");
     let small = vec![BlockOp {
         local_region: local.id(),
         local_offset: 0,
@@ -200,7 +179,10 @@ async fn a_plain_rustls_client_speaks_through_the_records_and_a_flipped_bit_ends
                         e.kind(),
                         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                     );
-                    assert!(!waited, "the target kept a connection with a bad record: {e}");
+                    assert!(
+                        !waited,
+                        "the target kept a connection with a bad record: {e}"
+                    );
                     break;
                 }
             }

@@ -467,31 +467,13 @@ mod tests {
     use std::net::TcpListener;
     use std::thread;
 
-    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-
     use super::super::tls_record::RecordError;
     use super::*;
 
     const NAME: &str = "t.default.kvfabric";
 
-    /// A CA and one certificate of it for `NAME`, as both sides' configuration.
     fn tls() -> DataTls {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
-        let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(vec![NAME.to_string()])
-            .unwrap()
-            .signed_by(&key, &ca)
-            .unwrap();
-        DataTls::new(
-            vec![cert.der().clone()],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-            vec![CertificateDer::from(ca.der().to_vec())],
-            NAME,
-        )
-        .unwrap()
+        DataTls::throwaway(NAME)
     }
 
     fn deadline() -> Instant {
