@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use kvfabric_engine::{
@@ -183,6 +183,10 @@ pub struct Node {
     pub holds: Holds,
     /// Grants other agents (or this one) handed this agent for its workers' batches.
     pub grants: Grants,
+    /// This agent's own registry entry, as published: it stays resolvable while a lost lease
+    /// took it out of the registry's view (a batch between this agent's own segments, a hold
+    /// it revokes on itself).
+    own: OnceLock<AgentEntry>,
 }
 
 /// A plane of a CreateHold request: block `i` is `block_bytes` at `base + i × stride` of the
@@ -230,7 +234,22 @@ impl Node {
             rdma_given_up: Mutex::default(),
             holds: Holds::default(),
             grants: Grants::default(),
+            own: OnceLock::new(),
         })
+    }
+
+    /// Remembers the entry this agent publishes for itself (see [`Node::agent_entry`]).
+    pub fn set_own_entry(&self, entry: AgentEntry) {
+        // Set once, before the agent serves; a second call is the same agent's same entry.
+        let _ = self.own.set(entry);
+    }
+
+    /// The agent entry named `name`: this agent's own as it published it, else the registry's.
+    fn agent_entry(&self, name: &str) -> Option<AgentEntry> {
+        match self.own.get() {
+            Some(own) if own.name == name => Some(own.clone()),
+            _ => self.registry.agent(name),
+        }
     }
 
     /// The engine descriptor peers get from the handshake: data endpoints rewritten to the
@@ -815,8 +834,7 @@ impl Node {
     /// The cached data connection to the agent serving `segment`, or a new one.
     async fn link(&self, segment: &SegmentEntry, gpu: bool) -> Result<Arc<Link>> {
         let agent = self
-            .registry
-            .agent(&segment.agent)
+            .agent_entry(&segment.agent)
             .ok_or_else(|| Error::UnknownAgent {
                 agent: segment.agent.clone(),
                 segment: segment.name.clone(),
@@ -1202,13 +1220,10 @@ impl Node {
         if agent == self.config.name {
             return self.grants.revoke(segment, hold_key, wait).await;
         }
-        let entry = self
-            .registry
-            .agent(agent)
-            .ok_or_else(|| Error::UnknownAgent {
-                agent: agent.into(),
-                segment: segment.into(),
-            })?;
+        let entry = self.agent_entry(agent).ok_or_else(|| Error::UnknownAgent {
+            agent: agent.into(),
+            segment: segment.into(),
+        })?;
         self.caller()
             .revoke_hold(&entry, segment, hold_key, wait)
             .await
@@ -1319,8 +1334,7 @@ impl Node {
         key: u64,
     ) -> Result<SegmentAccess> {
         let agent = self
-            .registry
-            .agent(&link.agent)
+            .agent_entry(&link.agent)
             .ok_or_else(|| Error::UnknownAgent {
                 agent: link.agent.clone(),
                 segment: segment.name.clone(),

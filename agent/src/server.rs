@@ -411,18 +411,18 @@ impl Agent {
         let started_at = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        registry
-            .register_agent(AgentEntry {
-                name: name.clone(),
-                pool: config.pool.clone(),
-                role: config.pool_role.map(|r| r.to_string()),
-                node: engine.config().node.clone(),
-                peer_addr,
-                devices,
-                started_at,
-                instance: rand::random(),
-            })
-            .await?;
+        let own = AgentEntry {
+            name: name.clone(),
+            pool: config.pool.clone(),
+            role: config.pool_role.map(|r| r.to_string()),
+            node: engine.config().node.clone(),
+            peer_addr,
+            devices,
+            started_at,
+            instance: rand::random(),
+        };
+        node.set_own_entry(own.clone());
+        registry.register_agent(own).await?;
         readiness.set(true).await;
         let follow = readiness.follow(registry.clone(), config.tls.clone());
         let ready = Ready {

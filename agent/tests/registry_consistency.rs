@@ -185,9 +185,10 @@ async fn agent_and_registry_agree_after_random_interleavings() {
 }
 
 /// A worker's read between two segments of its own agent keeps working while the registry's
-/// view has lost their entries (a lease that ran out under load, being re-registered): the
-/// agent's own table says what it serves. Seen with real vLLM servers on a loaded machine as
-/// "unknown segment" for a prefill's own worker.
+/// view has lost their entries and its own (a lease that ran out under load, being
+/// re-registered): the agent's own table says what it serves. Seen with real vLLM servers on a
+/// loaded machine as "unknown segment", then "agent not in the registry", for a worker's probe
+/// of its own segment.
 #[tokio::test(flavor = "multi_thread")]
 async fn own_segments_stay_readable_while_the_registry_lost_them() {
     let Some(etcd) = EtcdServer::or_skip(EtcdServer::start().await) else {
@@ -222,14 +223,17 @@ async fn own_segments_stay_readable_while_the_registry_lost_them() {
         .collect();
     client.read(&d, "own-src", s.key, &ops).await.unwrap();
 
-    // What the lease's expiry does to the entry; the watch takes it out of the view.
+    // What the lease's expiry does to the entries (the agent's own with them); the watch
+    // takes them out of the view.
     let mut etcd_client = etcd.client().await.unwrap();
-    etcd_client
-        .delete(format!("{root}segments/own-src"), None)
-        .await
-        .unwrap();
+    for key in ["segments/own-src", "agents/node-a"] {
+        etcd_client
+            .delete(format!("{root}{key}"), None)
+            .await
+            .unwrap();
+    }
     let start = Instant::now();
-    while view.segment("own-src").is_some() {
+    while view.segment("own-src").is_some() || view.agent("node-a").is_some() {
         assert!(start.elapsed() < TTL * 5, "the watch never saw the delete");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
