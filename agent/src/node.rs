@@ -1285,7 +1285,7 @@ impl Node {
                 return Ok(Access::Hold(slot.clone()));
             }
             let asked = std::time::Instant::now();
-            let (fresh, grant) = match self.ask_segment_access(link, segment, key).await {
+            let (fresh, grant) = match self.ask_segment_access(link, segment, key, budget).await {
                 Ok(answer) => answer,
                 Err(e) => {
                     self.grants.discard(&slot);
@@ -1326,12 +1326,14 @@ impl Node {
         })
     }
 
-    /// SegmentAccess of the agent behind `link` (this agent's own table when it is this one).
+    /// SegmentAccess of the agent behind `link` (this agent's own table when it is this one),
+    /// answered within `budget` (what is left of the batch's deadline).
     async fn ask_segment_access(
         &self,
         link: &Link,
         segment: &SegmentEntry,
         key: u64,
+        budget: Duration,
     ) -> Result<SegmentAccess> {
         let agent = self
             .agent_entry(&link.agent)
@@ -1344,7 +1346,7 @@ impl Node {
         }
         let (regions, grant) = self
             .caller()
-            .segment_access(&agent, &segment.name, key)
+            .segment_access(&agent, &segment.name, key, budget)
             .await?;
         Ok((regions, grant.map(|(g, left)| (Arc::new(g), left))))
     }

@@ -116,23 +116,27 @@ impl Caller {
     }
 
     /// The regions of `segment` at `agent`, for the segment's `key`, or for a hold's key with
-    /// the hold's grant and its time left.
+    /// the hold's grant and its time left; answered within `wait` (the batch's time left: a
+    /// peer slowed by a loaded node has all of it, not just the connect timeout).
     pub async fn segment_access(
         &self,
         agent: &AgentEntry,
         segment: &str,
         key: u64,
+        wait: Duration,
     ) -> Result<(Vec<RegionDesc>, Option<(Grant, Duration)>)> {
-        let reply = dial(agent, self.timeout, self.tls.as_deref())
+        let mut request = self.request(SegmentAccessRequest {
+            fabric: self.fabric.clone(),
+            agent: self.me.clone(),
+            segment: segment.into(),
+            key,
+        });
+        request.set_timeout(wait);
+        let reply = dial_for(agent, self.timeout.min(wait), wait, self.tls.as_deref())
             .await?
             // A grant of 2^20 block ids is up to 10 MiB.
             .max_decoding_message_size(MAX_PEER_RESPONSE_BYTES)
-            .segment_access(self.request(SegmentAccessRequest {
-                fabric: self.fabric.clone(),
-                agent: self.me.clone(),
-                segment: segment.into(),
-                key,
-            }))
+            .segment_access(request)
             .await
             .map_err(|s| match s.code() {
                 Code::PermissionDenied => Error::WrongKey {
