@@ -23,6 +23,8 @@ from kvfabric.errors import KvfabricError
 log = logging.getLogger("vllm.kvfabric")
 
 WORD = 8
+# What a probe hears from an agent that does not serve the segment (any more).
+GONE = ("NOT_FOUND", "PERMISSION_DENIED")
 
 
 class Loop:
@@ -90,8 +92,15 @@ class Registration:
         log.info("kvfabric: registered %s (%d regions)", self.name, len(self.memory))
 
     def registered(self) -> bool:
-        """Whether the agent still serves the segment (UNAVAILABLE, DEADLINE_EXCEEDED: the
-        agent is down or busy, nothing to do yet)."""
+        """Whether the agent still serves the segment. Only an agent that says it does not know
+        the segment (NOT_FOUND) or holds it under another key (PERMISSION_DENIED) means it is
+        gone; anything else (down, busy, a deadline, a lease being renewed) says nothing about
+        the registration and is tried again at the next check."""
+        return self._probe() is None
+
+    def _probe(self) -> KvfabricError | None:
+        """None if the probe read within the segment went through, else why it failed; raises
+        only when the failure says the segment is gone."""
         region, offset = self.probe
         try:
             self.client.read(
@@ -105,24 +114,40 @@ class Registration:
                 [WORD],
                 timeout=self.call_timeout_s,
             )
-            return True
+            return None
         except KvfabricError as e:
-            return getattr(e, "code", "") in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+            if getattr(e, "code", "") in GONE:
+                raise
+            return e
 
     def _keep(self) -> None:
         while not self.stopping.wait(self.check_interval_s):
-            if self.registered():
+            try:
+                why = self._probe()
+            except KvfabricError as e:
+                self._register_again(e)
                 continue
-            while not self.stopping.is_set():
+            if why is not None:
+                log.debug("kvfabric: probing %s: %s (checked again)", self.name, why)
+
+    def _register_again(self, gone: KvfabricError) -> None:
+        log.info("kvfabric: %s is not served (%s); registering it again", self.name, gone)
+        while not self.stopping.is_set():
+            try:
+                self._register()
+                return
+            except KvfabricError as e:
+                # ALREADY_EXISTS: the registry still holds a previous agent's entry (it goes
+                # with that agent's lease), or the probe's verdict was stale and the agent
+                # serves it after all: probe again before the next try.
                 try:
-                    self._register()
-                    break
-                except KvfabricError as e:
-                    # ALREADY_EXISTS while the registry holds the previous agent's entry.
-                    log.info(
-                        "kvfabric: registering %s again after an agent restart: %s", self.name, e
-                    )
-                    self.stopping.wait(self.check_interval_s)
+                    if self._probe() is None:
+                        log.info("kvfabric: %s is served again", self.name)
+                        return
+                except KvfabricError:
+                    pass
+                log.info("kvfabric: registering %s again: %s", self.name, e)
+                self.stopping.wait(self.check_interval_s)
 
     def close(self) -> None:
         """Stops the keeper (joined) and deregisters the segment."""
