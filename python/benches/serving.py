@@ -74,7 +74,7 @@ def servers(name: str, model: Path, root: Path, agent: Agent | None) -> dict[str
     for side, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         if agent is not None:
             out[side] = VllmServer(
-                f"{name}-{side}", model, root, role, agent.socket_dir, kv_bytes=KV_BYTES
+                f"{name}-{side}", model, root, role, agent.socket_dir, kv_bytes=KV_BYTES, nice=0
             )
             continue
         out[side] = VllmServer(
@@ -90,6 +90,7 @@ def servers(name: str, model: Path, root: Path, agent: Agent | None) -> dict[str
             },
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
             kv_bytes=KV_BYTES,
+            nice=0,
         )
     return out
 
@@ -218,7 +219,7 @@ def main() -> None:
     results: dict = {"lengths": args.lengths, "clients": args.clients, "seconds": args.seconds}
     steps = len(args.lengths) * args.rounds
     with tqdm(total=steps * (1 + len(args.connectors)), desc="serving bench", unit="req") as bar:
-        plain = VllmServer("plain", model, root, kv_bytes=KV_BYTES)
+        plain = VllmServer("plain", model, root, kv_bytes=KV_BYTES, nice=0)
         start(plain)
         try:
             results["plain"] = plain_prefill(plain, args.lengths, args.rounds, bar)

@@ -20,6 +20,8 @@ from pathlib import Path
 from fabric import free_port
 
 BLOCK_SIZE = 32
+# How much lower than the agents, etcd and the tests the servers run (see VllmServer).
+NICE = 10
 
 
 class VllmServer:
@@ -38,12 +40,14 @@ class VllmServer:
         block_size: int = BLOCK_SIZE,
         kv_bytes: int = 64 << 20,
         args: list[str] | None = None,
+        nice: int = NICE,
     ) -> None:
         """``kv_role`` set: with KVFabricConnector on the agent at ``socket_dir``, or with
         another connector (``connector``: the kv-transfer-config fields that differ, e.g.
         ``{"kv_connector": "NixlConnector", "kv_connector_module_path": None, ...}``).
         ``env``: more environment. ``tp``: tensor-parallel workers; ``kv_bytes``: the KV
-        cache's size (``--kv-cache-memory-bytes``)."""
+        cache's size (``--kv-cache-memory-bytes``); ``nice``: how much lower than everything
+        else the server runs (benchmarks: 0, every connector's threads as the engine's)."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -110,6 +114,10 @@ class VllmServer:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            # Below the agents, etcd and the test itself, as a node gives the agent DaemonSet
+            # CPU of its own: several servers on two cores starved etcd of its keepalives for
+            # 10 s at a time and every agent's lease ran out mid-test.
+            preexec_fn=lambda: os.nice(nice),
         )
 
     def wait_ready(self, timeout: float = 420) -> None:
