@@ -274,7 +274,7 @@ def cached_tokens(response: dict) -> int:
     return details.get("cached_tokens") or 0
 
 
-def prefill(server: VllmServer, prompt: list[int]) -> dict:
+def prefill(server: VllmServer, prompt: list[int], cache_salt: str | None = None) -> dict:
     """What a P/D router sends the prefill instance; returns the params for the decode one."""
     out = server.complete(
         prompt,
@@ -287,5 +287,37 @@ def prefill(server: VllmServer, prompt: list[int]) -> dict:
             "remote_host": None,
             "remote_port": None,
         },
+        cache_salt=cache_salt,
     )
     return out["kv_transfer_params"]
+
+
+class Stalls:
+    """Gaps in a thread that ticks every 0.1 s: where one is seconds long, the whole machine
+    stood still (seen on the 2-core VM with several servers up: 5–28 s, even for a process at
+    nice -20), and any deadline inside the fabric may have run out through no fault of its."""
+
+    TICK = 0.1
+
+    def __init__(self) -> None:
+        self.gaps: list[tuple[float, float]] = []  # (when it ended, how long)
+        self.lock = threading.Lock()
+        threading.Thread(target=self._tick, name="stall-watch", daemon=True).start()
+
+    def _tick(self) -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(self.TICK)
+            now = time.monotonic()
+            if now - last > 2.0:
+                with self.lock:
+                    self.gaps.append((now, now - last))
+            last = now
+
+    def longest_since(self, t0: float) -> float:
+        """The longest stall that ended after ``t0`` (0: none)."""
+        with self.lock:
+            return max((gap for end, gap in self.gaps if end > t0), default=0.0)
+
+
+STALLS = Stalls()
