@@ -25,12 +25,14 @@ fn binaries() -> PathBuf {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         let exe = std::env::current_exe().expect("test binary path");
-        // target/<profile>/deps/<test> → target/<profile>/
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("target profile dir")
-            .to_path_buf();
+        // target/<profile>/deps/<test> or target/<profile>/<bin> → target/<profile>/
+        let dir = exe.parent().expect("target profile dir");
+        let profile_dir = if dir.ends_with("deps") {
+            dir.parent().expect("target profile dir")
+        } else {
+            dir
+        }
+        .to_path_buf();
         let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
         cargo.args([
             "build",
@@ -158,6 +160,11 @@ impl AgentProcess {
         );
         self.child = Some(child);
         self.ready = ready;
+    }
+
+    /// The agent's process id while it runs (`ip netns exec` execs it: the same process).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn socket_dir(&self) -> &Path {

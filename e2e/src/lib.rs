@@ -3,6 +3,7 @@
 //! reachable from all of them, and workers that talk to the agents through the client library.
 
 pub mod agent;
+pub mod chaos;
 pub mod net;
 pub mod worker;
 
