@@ -9,8 +9,9 @@ connector touches; the decode side is shown to use the transferred KV (vLLM's ex
 prefix-cache hits, and a prefill with other weights changing its output); and the faults: a
 failed pull is recomputed, malformed params fail closed, aborted requests leave the decode
 serving with every block freed, a decode queued past the lease keeps the hold alive, unpulled
-blocks are freed after the lease, agents restarted between requests serve again, a prefill
-killed before the pull does not hang the decode.
+blocks are freed after the lease, agents restarted between requests and under a stream of
+hand-overs serve again without a wrong token, a prefill killed before the pull does not hang
+the decode, and a decode killed mid-pull leaves its prefill freeing the blocks at lease end.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def pd(tmp_path_factory):
         "prefill": VllmServer(
             "prefill", model, root, "kv_producer", agents["p"].socket_dir, {"lease_s": LEASE_S}
         ),
-        "control": VllmServer("control", other, root, "kv_producer", agents["p"].socket_dir),
+        "control": VllmServer(
+            "control", other, root, "kv_producer", agents["p"].socket_dir, {"lease_s": LEASE_S}
+        ),
         # Half the prefill's KV cache: other block counts, so other offsets of every plane.
         "decode": VllmServer(
             "decode",
@@ -354,6 +357,41 @@ def test_requests_work_again_after_the_agents_restart(pd):
     assert hits == len(p)
 
 
+def test_agents_restarted_under_a_stream_of_handovers_never_give_a_wrong_token(pd):
+    """Clients keep handing requests over while the decode's agent, then the prefill's, is
+    killed and started again: every output equals a single instance's (pulled, or recomputed
+    while an agent was away), and hand-overs pull again once both are back."""
+    stop = time.monotonic() + 3600
+    results: list[tuple[list[int], dict]] = []
+
+    def client(k: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            p = prompt(LENGTHS[i % len(LENGTHS)], 20_000 + 100 * k + i)
+            _, out, _ = disaggregated(pd, p)
+            results.append((p, out))
+            i += 1
+
+    with ThreadPoolExecutor(3) as pool:
+        clients = [pool.submit(client, k) for k in range(3)]
+        for side in ("d", "p"):
+            time.sleep(2.0)
+            pd["agents"][side].kill()
+            time.sleep(1.0)
+            pd["agents"][side].start()
+        back = len(results)
+        deadline = time.monotonic() + 90
+        while not any(pulled(pd, out) for _, out in results[back:]):
+            assert time.monotonic() < deadline, "no hand-over pulled after the agents came back"
+            time.sleep(0.5)
+        stop = time.monotonic()
+        for c in clients:
+            c.result()
+    assert len(results) > back > 0, (back, len(results))
+    wrong = [p for p, out in results if tokens(out) != expected(pd, p)]
+    assert not wrong, f"{len(wrong)} of {len(results)} outputs differ"
+
+
 def test_a_prefill_killed_before_the_pull_does_not_hang_the_decode(pd):
     p = prompt(LENGTHS[-1], 10)
     want = expected(pd, p)
@@ -365,3 +403,30 @@ def test_a_prefill_killed_before_the_pull_does_not_hang_the_decode(pd):
     # Pulled from the memory the agent still maps, or recomputed: the same tokens either way.
     assert tokens(out) == want
     assert os.path.exists(pd["decode"].log_path)
+
+
+def test_a_decode_killed_mid_pull_leaves_its_prefills_blocks_freed_at_lease_end(pd):
+    """The decode dies (SIGKILL, its whole process group) with handed-over requests in flight:
+    their pulls stalled (the prefill's agent frozen), so nobody acknowledges them, and the
+    prefill frees their blocks when their leases end, not later, and keeps serving. Last: the
+    decode stays dead."""
+    server, decode, agent = pd["control"], pd["decode"], pd["agents"]["p"].proc
+    wait_free(server, 30)
+    ended = server.log().count("ran out; its blocks are freed")
+    handed = [(p, prefill(server, p)) for p in (prompt(3000, 6000 + i) for i in range(4))]
+    held_at = time.monotonic()
+    assert server.metric(USAGE) > 0
+    agent.send_signal(signal.SIGSTOP)
+    try:
+        for p, params in handed:
+            decode.abandon(p, NEW_TOKENS, params, 30)
+        time.sleep(1.5)  # scheduled, and their pulls sent to the frozen peer
+        decode.kill()
+    finally:
+        agent.send_signal(signal.SIGCONT)
+    while server.metric(USAGE) > 0:
+        assert time.monotonic() - held_at < LEASE_S + 10, "blocks still held after the lease"
+        time.sleep(0.2)
+    assert server.log().count("ran out; its blocks are freed") - ended == len(handed)
+    assert server.alive()
+    assert tokens(server.complete(prompt(40, 6100), 4))
