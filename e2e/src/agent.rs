@@ -82,6 +82,24 @@ fn binaries() -> PathBuf {
 
 pub use kvfabric_proto::ready::Ready;
 
+/// Flags of agents under faults: tcp only, registry lease TTL `ttl_secs`, batches given up
+/// after `batch_timeout_ms`, and one second for a connection or an etcd request (also how
+/// long a watch may stay silent).
+pub fn fault_flags(ttl_secs: u64, batch_timeout_ms: u64) -> Vec<String> {
+    [
+        "--transports",
+        "tcp",
+        "--lease-ttl-secs",
+        &ttl_secs.to_string(),
+        "--batch-timeout-ms",
+        &batch_timeout_ms.to_string(),
+        "--connect-timeout-ms",
+        "1000",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 #[derive(Debug)]
 pub struct AgentProcess {
     pub name: String,

@@ -7,5 +7,5 @@ pub mod chaos;
 pub mod net;
 pub mod worker;
 
-pub use agent::{AgentProcess, kvfabric_bin, operator_bin};
+pub use agent::{AgentProcess, fault_flags, kvfabric_bin, operator_bin};
 pub use net::{Host, Network};

@@ -15,7 +15,7 @@ use common::{BLOCK, has_namespaces, within};
 use kvfabric_agent::registry::SegmentEntry;
 use kvfabric_client::{Client, HostMemory, Op, Segment};
 use kvfabric_e2e::worker::{first_mismatch, random_memory, scattered};
-use kvfabric_e2e::{AgentProcess, Network};
+use kvfabric_e2e::{AgentProcess, Network, fault_flags};
 use kvfabric_operator::finalizer::{CleanupPolicy, EtcdAccess, EtcdCleaner, clean_registry};
 use kvfabric_proto::contract::registry_root;
 use kvfabric_testkit::EtcdCluster;
@@ -47,18 +47,8 @@ impl Fabric {
             EtcdCluster::start_in(host.netns.as_deref(), host.ip, MEMBERS).await,
         )?;
         let endpoints = etcd.endpoints().join(",");
-        let ttl = ttl_secs.to_string();
-        let flags = [
-            "--transports",
-            "tcp",
-            "--lease-ttl-secs",
-            &ttl,
-            "--batch-timeout-ms",
-            "5000",
-            // Also each etcd request's bound, and how long the watch may stay silent.
-            "--connect-timeout-ms",
-            "1000",
-        ];
+        let flags = fault_flags(ttl_secs, 5000);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let mut agents = Vec::new();
         let mut clients = Vec::new();
         for (i, name) in names.iter().enumerate() {

@@ -12,7 +12,7 @@ use common::{
 };
 use kvfabric_client::{Client, SubmitOptions};
 use kvfabric_e2e::worker::{first_mismatch, random_memory, refill, scattered};
-use kvfabric_e2e::{AgentProcess, Network};
+use kvfabric_e2e::{AgentProcess, Network, fault_flags};
 use kvfabric_proto::pb::Opcode;
 use kvfabric_testkit::EtcdServer;
 use tonic::Code;
@@ -37,18 +37,8 @@ struct Pair {
 async fn pair(timeout_ms: u64) -> Option<Pair> {
     let net = Network::new(2);
     let etcd = etcd_on(net.gateway).await?;
-    let ttl = TTL_SECS.to_string();
-    let timeout = timeout_ms.to_string();
-    let flags = [
-        "--transports",
-        "tcp",
-        "--lease-ttl-secs",
-        &ttl,
-        "--batch-timeout-ms",
-        &timeout,
-        "--connect-timeout-ms",
-        "1000",
-    ];
+    let flags = fault_flags(TTL_SECS, timeout_ms);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let (a, b, prefill, decode) = prefill_and_decode(&net, &etcd, &flags, &[]).await;
     Some(Pair {
         net,

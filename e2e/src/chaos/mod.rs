@@ -136,19 +136,9 @@ impl Fabric {
             .await
             .map_err(|e| Error::Etcd(e.to_string()))?;
         let endpoints = etcd.endpoints().join(",");
-        let ttl = config.lease_ttl_secs.to_string();
-        let flags = [
-            "--transports",
-            "tcp",
-            "--lease-ttl-secs",
-            &ttl,
-            "--batch-timeout-ms",
-            "5000",
-            "--connect-timeout-ms",
-            "1000",
-            "--grace-secs",
-            "3",
-        ];
+        let mut flags = crate::fault_flags(config.lease_ttl_secs, 5000);
+        flags.extend(["--grace-secs".into(), "3".into()]);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let agents: Vec<AgentProcess> = (0..n)
             .map(|i| AgentProcess::spawn(&format!("chaos-{i}"), &net.hosts[i], &endpoints, &flags))
             .collect();
