@@ -35,6 +35,9 @@ const ROOT: &str = "/kvfabric/default/e2e/";
 const ETCD_MEMBERS: usize = 3;
 /// A fault not recovered from within this long counts as unrecovered.
 const RECOVERY_LIMIT: Duration = Duration::from_secs(60);
+/// How long a fresh fabric may take until every pair pulls: a cold start on a loaded machine
+/// (first runs of debug binaries, the etcd cluster electing its first leader) is no fault.
+const START_LIMIT: Duration = Duration::from_secs(240);
 
 /// A validated chaos run.
 #[derive(Debug, Clone)]
@@ -60,6 +63,10 @@ pub enum Error {
     NoNamespaces(String),
     #[error("etcd cluster: {0}")]
     Etcd(String),
+    /// The baseline (each agent's fds, threads and RSS with every pair pulling) can only be
+    /// read from a fabric that pulls: without it no later reading means anything.
+    #[error("the fabric did not get every pair of workers pulling within {0:?} of its start")]
+    NotStarted(Duration),
 }
 
 struct Fabric {
@@ -80,6 +87,10 @@ struct Fabric {
 pub async fn run(config: Config, progress: impl Fn(Duration, String)) -> Result<Report, Error> {
     let setup = Instant::now();
     let mut fabric = Fabric::start(config).await?;
+    if !fabric.all_pairs_pulling(setup, START_LIMIT).await {
+        fabric.stop_workers();
+        return Err(Error::NotStarted(START_LIMIT));
+    }
     fabric.settle(setup, "start").await;
     progress(
         Duration::ZERO,
@@ -249,19 +260,25 @@ impl Fabric {
         (what, self.settle(lifted, &fault.to_string()).await)
     }
 
+    /// Whether every pair of workers moved verified bytes after `since`, waiting up to `limit`.
+    async fn all_pairs_pulling(&self, since: Instant, limit: Duration) -> bool {
+        while since.elapsed() < limit {
+            if self.tally.all_pairs_since(self.config.agents, since) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
     /// Waits until every pair of workers moved verified bytes after `since` and etcd holds
     /// exactly the live agents' and workers' keys; (how long the first took, whether the keys
     /// settled).
     async fn settle(&mut self, since: Instant, what: &str) -> (Option<Duration>, bool) {
-        let n = self.config.agents;
-        let mut recovered = None;
-        while since.elapsed() < RECOVERY_LIMIT {
-            if self.tally.all_pairs_since(n, since) {
-                recovered = Some(since.elapsed());
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let recovered = self
+            .all_pairs_pulling(since, RECOVERY_LIMIT)
+            .await
+            .then(|| since.elapsed());
         if recovered.is_none() {
             eprintln!("after {what}: not every pair of workers pulled within {RECOVERY_LIMIT:?}");
         }
