@@ -126,6 +126,12 @@ pub struct AgentArgs {
     #[arg(long, env = env::ADVERTISE_ADDR)]
     pub advertise_addr: Option<IpAddr>,
 
+    /// Binds the listen addresses left unspecified (0.0.0.0 or ::) to this IP instead. The
+    /// operator sets the pod IP: with `hostNetwork` the ports are then open on that interface
+    /// only, not on every address of the node.
+    #[arg(long, env = env::LISTEN_IP)]
+    pub listen_ip: Option<IpAddr>,
+
     /// Transports this agent may use, in order of preference.
     #[arg(
         long,
@@ -336,9 +342,9 @@ impl AgentArgs {
             socket_dir: self.socket_dir,
             socket_group: self.socket_group,
             socket_mode: self.socket_mode,
-            grpc_addr: self.grpc_addr,
-            data_addr: self.data_addr,
-            metrics_addr: self.metrics_addr,
+            grpc_addr: on_listen_ip(self.grpc_addr, self.listen_ip),
+            data_addr: on_listen_ip(self.data_addr, self.listen_ip),
+            metrics_addr: on_listen_ip(self.metrics_addr, self.listen_ip),
             advertise_addr: self.advertise_addr,
             transports: self.transports,
             tcp_connections: self.tcp_connections,
@@ -562,6 +568,14 @@ fn parse_ratio(s: &str) -> Result<f64, String> {
     }
 }
 
+/// `addr` on `ip` when `addr` names no address of its own.
+fn on_listen_ip(addr: SocketAddr, ip: Option<IpAddr>) -> SocketAddr {
+    match ip {
+        Some(ip) if addr.ip().is_unspecified() => SocketAddr::new(ip, addr.port()),
+        _ => addr,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;
@@ -621,6 +635,25 @@ mod tests {
         assert_eq!(field(validate(&["--tcp-buffer", "1KiB"])).0, "tcp-buffer");
         assert!(Cli::try_parse_from(["agent", "--tcp-buffer", "lots"]).is_err());
         assert!(Cli::try_parse_from(["agent", "--tcp-buffer", "8GiB"]).is_err());
+    }
+
+    #[test]
+    fn the_listen_ip_replaces_unspecified_addresses_only() {
+        let c = validate(&[]).unwrap();
+        assert_eq!(c.grpc_addr.to_string(), "0.0.0.0:50051");
+        let c = validate(&[
+            "--listen-ip",
+            "10.1.2.3",
+            "--metrics-addr",
+            "127.0.0.1:9100",
+        ])
+        .unwrap();
+        assert_eq!(c.grpc_addr.to_string(), "10.1.2.3:50051");
+        assert_eq!(c.data_addr.to_string(), "10.1.2.3:50052");
+        assert_eq!(c.metrics_addr.to_string(), "127.0.0.1:9100", "named: kept");
+        let c = validate(&["--listen-ip", "fd00::7", "--grpc-addr", "[::]:1"]).unwrap();
+        assert_eq!(c.grpc_addr.to_string(), "[fd00::7]:1");
+        assert!(Cli::try_parse_from(["agent", "--listen-ip", "pod"]).is_err());
     }
 
     #[test]

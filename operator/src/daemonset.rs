@@ -104,6 +104,9 @@ fn env(fabric: &TransferFabric, pool: &Pool) -> Vec<EnvVar> {
     let mut env = vec![
         field_env(e::NODE_NAME, "spec.nodeName"),
         field_env(e::POD_IP, "status.podIP"),
+        // The ports on the pod's own address only: with hostNetwork, not on every interface
+        // of the node (other fabrics' agents and host processes keep theirs).
+        field_env(e::LISTEN_IP, "status.podIP"),
         field_env(e::POD_NAME, "metadata.name"),
         field_env(e::POD_NAMESPACE, "metadata.namespace"),
         value_env(e::POOL, &pool.name),
@@ -724,6 +727,7 @@ mod tests {
         };
         assert_eq!(field("NODE_NAME").as_deref(), Some("spec.nodeName"));
         assert_eq!(field("POD_IP").as_deref(), Some("status.podIP"));
+        assert_eq!(field("KVFABRIC_LISTEN_IP").as_deref(), Some("status.podIP"));
         assert_eq!(val(c, "KVFABRIC_POOL").as_deref(), Some("prefill"));
         assert_eq!(val(c, "KVFABRIC_POOL_ROLE").as_deref(), Some("Prefill"));
         assert_eq!(

@@ -71,6 +71,8 @@ pub mod env {
     pub const NODE_NAME: &str = "NODE_NAME";
     /// Pod IP (downward API): the address other agents reach this one at by default.
     pub const POD_IP: &str = "POD_IP";
+    /// The IP the agent's unspecified listen addresses bind to (the operator: the pod IP).
+    pub const LISTEN_IP: &str = "KVFABRIC_LISTEN_IP";
     /// Pod name and namespace (downward API), for logs.
     pub const POD_NAME: &str = "POD_NAME";
     pub const POD_NAMESPACE: &str = "POD_NAMESPACE";
@@ -83,10 +85,11 @@ pub mod env {
     pub const CUDA_CACHE_PATH: &str = "CUDA_CACHE_PATH";
 
     /// Every name the operator may set.
-    pub const RESERVED: [&str; 28] = [
+    pub const RESERVED: [&str; 29] = [
         AGENT_NAME,
         NODE_NAME,
         POD_IP,
+        LISTEN_IP,
         POD_NAME,
         POD_NAMESPACE,
         FABRIC,
