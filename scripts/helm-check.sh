@@ -31,6 +31,9 @@ helm template kvfabric "$chart" --namespace kvfabric --include-crds \
     > "$out/default.yaml"
 helm template kvfabric "$chart" --namespace kvfabric --include-crds -f "$all_on" \
     > "$out/all-features.yaml"
+# The agents' PodMonitor watching every namespace (all-features has it on one namespace).
+helm template kvfabric "$chart" --namespace kvfabric --set podMonitor.enabled=true \
+    > "$out/pod-monitor.yaml"
 
 refuse() { # what, then the command that must fail
     local what="$1"
@@ -85,7 +88,8 @@ grep -q "kind: TransferFabric" "$out/notes-fabric.yaml.in" || {
 cp "$chart/examples/etcd.yaml" "$out/example-etcd.yaml"
 echo "helm-check: rendered into $out" >&2
 
-# Strict schema validation. Custom kinds (TransferFabric, ServiceMonitor) have no bundled schema:
+# Strict schema validation. Custom kinds (TransferFabric, ServiceMonitor, PodMonitor) have no
+# bundled schema:
 # helm_render.rs checks them; any other kind without a schema is an error.
 validate() { # version, files...
     local version="$1"
@@ -96,7 +100,11 @@ import yaml
 import kubernetes_validate
 from kubernetes_validate.utils import SchemaNotFoundError, ValidationError
 
-CUSTOM = {("kvfabric.io/v1alpha1", "TransferFabric"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+CUSTOM = {
+    ("kvfabric.io/v1alpha1", "TransferFabric"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+}
 version, files = sys.argv[1], sys.argv[2:]
 checked, failed = 0, 0
 for path in files:
@@ -121,7 +129,7 @@ if failed:
 print(f"helm-check: {checked} documents valid against the Kubernetes {version} schemas (strict)", file=sys.stderr)
 PY
 }
-common=("$out/default.yaml" "$out/all-features.yaml" "$out/example-etcd.yaml"
+common=("$out/default.yaml" "$out/all-features.yaml" "$out/pod-monitor.yaml" "$out/example-etcd.yaml"
     "$chart/examples/prefill-decode.yaml" "$chart/examples/kind.yaml")
 for v in 1.29 1.35; do
     objects=("$out/objects-example-$v.yaml" "$out/objects-kind-$v.yaml" "$out/objects-all-features-$v.yaml")

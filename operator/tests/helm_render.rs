@@ -117,7 +117,28 @@ struct ServiceMonitorSpec {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct NamespaceSelector {
-    match_names: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    match_names: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    any: Option<bool>,
+}
+
+// The PodMonitor fields this chart uses, and nothing else.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PodMonitor {
+    api_version: String,
+    kind: String,
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    spec: PodMonitorSpec,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PodMonitorSpec {
+    selector: k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+    namespace_selector: NamespaceSelector,
+    pod_metrics_endpoints: Vec<Endpoint>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -216,10 +237,37 @@ fn check(doc: &Value, file: &str) -> String {
             );
         }
         "ServiceMonitor" => drop(strict::<ServiceMonitor>(doc, &what)),
+        "PodMonitor" => check_pod_monitor(strict(doc, &what), &what),
         "TransferFabric" => check_fabric(doc, &what),
         other => panic!("{what}: no strict check for kind {other:?}; add one"),
     }
     kind
+}
+
+/// The agents' PodMonitor selects exactly what the operator labels an agent pod with, on the
+/// port the agent container names `metrics`, in the namespaces the operator watches.
+fn check_pod_monitor(pm: PodMonitor, what: &str) {
+    let agent = kvfabric_operator::meta::fabric_labels("any");
+    let selected = pm.spec.selector.match_labels.clone().unwrap_or_default();
+    assert!(!selected.is_empty(), "{what}: selects every pod");
+    for (k, v) in &selected {
+        assert_eq!(agent.get(k), Some(v), "{what}: agents do not carry {k}={v}");
+    }
+    let ports = kvfabric_crds::AgentPorts::default().named();
+    for e in &pm.spec.pod_metrics_endpoints {
+        assert!(
+            ports.iter().any(|(name, _)| *name == e.port),
+            "{what}: {}",
+            e.port
+        );
+        assert_eq!(e.port, "metrics", "{what}");
+        assert_eq!(e.path, "/metrics", "{what}");
+    }
+    let ns = &pm.spec.namespace_selector;
+    assert!(
+        (ns.any == Some(true)) ^ ns.match_names.as_ref().is_some_and(|n| !n.is_empty()),
+        "{what}: every namespace, or the watched one: {ns:?}"
+    );
 }
 
 /// A fabric: strict round trip, the CRD's CEL rules, and the operator's own checks.
@@ -553,6 +601,7 @@ fn rendered_manifests_are_strictly_valid() {
         "objects-all-features-1.29.yaml",
         "objects-all-features-1.35.yaml",
         "objects-dra-1.35.yaml",
+        "pod-monitor.yaml",
     ] {
         assert!(
             names.iter().any(|n| n == needed),
@@ -579,6 +628,7 @@ fn rendered_manifests_are_strictly_valid() {
             for absent in [
                 "NetworkPolicy",
                 "ServiceMonitor",
+                "PodMonitor",
                 "Role",
                 "PodDisruptionBudget",
             ] {
@@ -597,6 +647,7 @@ fn rendered_manifests_are_strictly_valid() {
                 "PodDisruptionBudget",
                 "NetworkPolicy",
                 "ServiceMonitor",
+                "PodMonitor",
                 "Role",
                 "RoleBinding",
                 "Job",
