@@ -236,7 +236,15 @@ fn check(doc: &Value, file: &str) -> String {
                 Some("transferfabrics.kvfabric.io")
             );
         }
-        "ServiceMonitor" => drop(strict::<ServiceMonitor>(doc, &what)),
+        "ServiceMonitor" => {
+            // The operator's own Service, in the release's namespace only.
+            let sm: ServiceMonitor = strict(doc, &what);
+            let ns = sm.spec.namespace_selector;
+            assert!(
+                ns.match_names.is_some() && ns.any.is_none(),
+                "{what}: {ns:?}"
+            );
+        }
         "PodMonitor" => check_pod_monitor(strict(doc, &what), &what),
         "TransferFabric" => check_fabric(doc, &what),
         other => panic!("{what}: no strict check for kind {other:?}; add one"),
@@ -255,12 +263,12 @@ fn check_pod_monitor(pm: PodMonitor, what: &str) {
     }
     let ports = kvfabric_crds::AgentPorts::default().named();
     for e in &pm.spec.pod_metrics_endpoints {
+        // The agent container's port of that name is the CRD's metrics port.
         assert!(
-            ports.iter().any(|(name, _)| *name == e.port),
+            e.port == "metrics" && ports.iter().any(|(name, _)| *name == e.port),
             "{what}: {}",
             e.port
         );
-        assert_eq!(e.port, "metrics", "{what}");
         assert_eq!(e.path, "/metrics", "{what}");
     }
     let ns = &pm.spec.namespace_selector;
