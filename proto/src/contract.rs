@@ -167,6 +167,30 @@ pub fn host_socket_dir(socket_root: &str, namespace: &str, fabric: &str, pool: &
     )
 }
 
+/// The CSI driver that hands pods a pool's socket directory as an ephemeral inline volume
+/// (`kvfabric-csi`; a `CSIDriver` object of this name comes with the chart's `csi.enabled`).
+pub mod csi {
+    /// The driver's name: the `CSIDriver` object, the pods' `csi.driver` and the kubelet's key.
+    pub const DRIVER: &str = "csi.kvfabric.io";
+    /// Volume attribute naming the fabric (in the pod's own namespace).
+    pub const FABRIC_ATTRIBUTE: &str = "fabric";
+    /// Volume attribute naming the fabric's pool.
+    pub const POOL_ATTRIBUTE: &str = "pool";
+    /// Set by the kubelet (the `CSIDriver`'s `podInfoOnMount`), never by the pod: the namespace
+    /// whose fabrics the pod may reach.
+    pub const POD_NAMESPACE_ATTRIBUTE: &str = "csi.storage.k8s.io/pod.namespace";
+    /// Set by the kubelet on ephemeral inline volumes, the only kind the driver serves.
+    pub const EPHEMERAL_ATTRIBUTE: &str = "csi.storage.k8s.io/ephemeral";
+    /// The kubelet's other pod-info attributes: known, not used.
+    pub const POD_INFO_ATTRIBUTES: [&str; 3] = [
+        "csi.storage.k8s.io/pod.name",
+        "csi.storage.k8s.io/pod.uid",
+        "csi.storage.k8s.io/serviceAccount.name",
+    ];
+    /// Path of the driver in the agent image.
+    pub const BINARY: &str = "/usr/local/bin/kvfabric-csi";
+}
+
 /// Default registry key prefix.
 pub const DEFAULT_KEY_PREFIX: &str = "/kvfabric";
 
