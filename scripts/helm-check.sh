@@ -50,6 +50,7 @@ refuse "uninstall.fabrics=Keep" helm template kvfabric "$chart" --set uninstall.
 refuse "a misspelt key (replica)" helm template kvfabric "$chart" --set replica=2
 refuse "metrics.port as a string" helm template kvfabric "$chart" --set-string metrics.port=http
 refuse "tracing.sampleRatio above 1" helm template kvfabric "$chart" --set tracing.sampleRatio=2
+refuse "csi.maxVolumes 0" helm template kvfabric "$chart" --set csi.enabled=true --set csi.maxVolumes=0
 # The chart refuses Kubernetes older than 1.29 (kubeVersion) and accepts 1.29.
 refuse "kube-version 1.28" helm template kvfabric "$chart" --kube-version 1.28.0
 helm template kvfabric "$chart" --kube-version 1.29.0 > /dev/null
@@ -65,6 +66,9 @@ for v in 1.29 1.35; do
         > "$out/objects-kind-$v.yaml"
     "$operator" render --kube-version "$v" --file "$chart/ci/fabric-all-features.yaml" \
         > "$out/objects-all-features-$v.yaml"
+    # The operator of a chart with csi.enabled: socket directories as CSI volumes.
+    "$operator" render --kube-version "$v" --socket-volume csi --file "$chart/examples/baseline.yaml" \
+        > "$out/objects-baseline-$v.yaml"
 done
 "$operator" render --kube-version 1.35 --file "$chart/ci/fabric-dra.yaml" > "$out/objects-dra-1.35.yaml"
 # DRA in its GA shape needs 1.31: for an older API server the operator must refuse, naming why.
@@ -130,9 +134,10 @@ print(f"helm-check: {checked} documents valid against the Kubernetes {version} s
 PY
 }
 common=("$out/default.yaml" "$out/all-features.yaml" "$out/pod-monitor.yaml" "$out/example-etcd.yaml"
-    "$chart/examples/prefill-decode.yaml" "$chart/examples/kind.yaml")
+    "$chart/examples/prefill-decode.yaml" "$chart/examples/kind.yaml" "$chart/examples/baseline.yaml")
 for v in 1.29 1.35; do
-    objects=("$out/objects-example-$v.yaml" "$out/objects-kind-$v.yaml" "$out/objects-all-features-$v.yaml")
+    objects=("$out/objects-example-$v.yaml" "$out/objects-kind-$v.yaml" "$out/objects-all-features-$v.yaml"
+        "$out/objects-baseline-$v.yaml")
     [[ "$v" == 1.35 ]] && objects+=("$out/objects-dra-1.35.yaml" "$chart/ci/dra-claim-templates.yaml")
     validate "$v.0" "${common[@]}" "${objects[@]}"
 done

@@ -181,6 +181,17 @@ pub struct AgentFlags {
     #[arg(long, env = "KVFABRIC_SOCKET_ROOT", default_value = DEFAULT_SOCKET_ROOT, global = true)]
     pub socket_root: String,
 
+    /// How pods get the socket directory: a hostPath volume, or the `csi.kvfabric.io` volume
+    /// (the chart's `csi.enabled`), which passes Pod Security `baseline`.
+    #[arg(
+        long,
+        env = "KVFABRIC_SOCKET_VOLUME",
+        value_enum,
+        default_value = "host-path",
+        global = true
+    )]
+    pub socket_volume: SocketVolume,
+
     /// Tolerations of every agent pod, added to each pool's own (JSON, a list of Kubernetes
     /// tolerations): the taints a cluster puts on its GPU nodes, once for every fabric.
     #[arg(
@@ -190,6 +201,20 @@ pub struct AgentFlags {
         global = true
     )]
     pub agent_tolerations: String,
+}
+
+/// The volume that holds an agent's socket directory in its pods (and its workers').
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum SocketVolume {
+    /// A `hostPath` of `<socketRoot>/<namespace>/<fabric>/<pool>`: the namespace must allow
+    /// Pod Security `privileged`.
+    #[default]
+    #[value(name = "host-path")]
+    HostPath,
+    /// The `csi.kvfabric.io` ephemeral volume (`kvfabric-csi` on every node) showing the same
+    /// directory: no hostPath, and the directory goes with the fabric's last pod on the node.
+    #[value(name = "csi")]
+    Csi,
 }
 
 /// A Kubernetes server version, as far as the operator cares (major and minor).
@@ -249,6 +274,8 @@ pub struct AgentSettings {
     pub pull_secrets: Vec<String>,
     /// Host root of the socket directories, without a trailing slash.
     pub socket_root: String,
+    /// The volume kind of the socket directory.
+    pub socket_volume: SocketVolume,
     /// The API server's version, when known; `None` builds for the newest API.
     pub kube: Option<KubeVersion>,
     /// Tolerations of every agent pod, after each pool's own.
@@ -262,6 +289,7 @@ impl Default for AgentSettings {
             pull_policy: PullPolicy::IfNotPresent,
             pull_secrets: Vec::new(),
             socket_root: DEFAULT_SOCKET_ROOT.to_owned(),
+            socket_volume: SocketVolume::HostPath,
             kube: None,
             tolerations: Vec::new(),
         }
@@ -327,6 +355,7 @@ impl AgentFlags {
             pull_policy: self.agent_image_pull_policy,
             pull_secrets: self.agent_image_pull_secrets.clone(),
             socket_root: root.to_owned(),
+            socket_volume: self.socket_volume,
             kube: None,
             tolerations,
         })
@@ -448,6 +477,7 @@ mod tests {
         );
         assert_eq!(a.pull_policy, PullPolicy::IfNotPresent);
         assert_eq!(a.socket_root, "/var/run/kvfabric");
+        assert_eq!(a.socket_volume, SocketVolume::HostPath);
     }
 
     #[test]
@@ -461,8 +491,11 @@ mod tests {
             "regcred,other",
             "--socket-root",
             "/run/kvfabric/",
+            "--socket-volume",
+            "csi",
         ])
         .expect("valid");
+        assert_eq!(a.socket_volume, SocketVolume::Csi);
         assert_eq!(a.pull_policy.as_str(), "Never");
         assert_eq!(a.pull_secrets, vec!["regcred", "other"]);
         assert_eq!(a.socket_root, "/run/kvfabric");

@@ -6,12 +6,12 @@ use k8s_openapi::api::apps::v1::{
     DaemonSet, DaemonSetSpec, DaemonSetUpdateStrategy, RollingUpdateDaemonSet,
 };
 use k8s_openapi::api::core::v1::{
-    Affinity, Capabilities, ConfigMapEnvSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvFromSource, EnvVar, EnvVarSource, GRPCAction, HTTPGetAction, HostPathVolumeSource,
-    LocalObjectReference, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
-    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceClaim,
-    ResourceRequirements, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext,
-    Toleration, Volume, VolumeMount,
+    Affinity, CSIVolumeSource, Capabilities, ConfigMapEnvSource, Container, ContainerPort,
+    EmptyDirVolumeSource, EnvFromSource, EnvVar, EnvVarSource, GRPCAction, HTTPGetAction,
+    HostPathVolumeSource, LocalObjectReference, NodeAffinity, NodeSelector,
+    NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, ResourceClaim, ResourceRequirements, SeccompProfile, SecretKeySelector,
+    SecretVolumeSource, SecurityContext, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -19,7 +19,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvfabric_crds::{GpuMode, Pool, TransferFabric};
 
 use crate::Result;
-use crate::config::AgentSettings;
+use crate::config::{AgentSettings, SocketVolume};
 use crate::contract::{self, env as e};
 use crate::meta::{
     POOL_LABEL, child_meta, configmap_name, daemonset_name, fabric_labels, name_and_namespace,
@@ -218,13 +218,32 @@ fn socket_dir_volume(
     settings: &AgentSettings,
 ) -> Result<Volume> {
     let (name, ns) = name_and_namespace(fabric)?;
-    Ok(Volume {
+    let volume = Volume {
         name: "socket-dir".to_owned(),
-        host_path: Some(HostPathVolumeSource {
-            path: contract::host_socket_dir(&settings.socket_root, &ns, &name, &pool.name),
-            type_: Some("DirectoryOrCreate".to_owned()),
-        }),
         ..Volume::default()
+    };
+    Ok(match settings.socket_volume {
+        SocketVolume::HostPath => Volume {
+            host_path: Some(HostPathVolumeSource {
+                path: contract::host_socket_dir(&settings.socket_root, &ns, &name, &pool.name),
+                type_: Some("DirectoryOrCreate".to_owned()),
+            }),
+            ..volume
+        },
+        // The driver finds `<socketRoot>/<the pod's namespace>/<fabric>/<pool>` itself; the
+        // agent's copy is read-write (it binds the sockets), its workers' read-only.
+        SocketVolume::Csi => Volume {
+            csi: Some(CSIVolumeSource {
+                driver: contract::csi::DRIVER.to_owned(),
+                read_only: Some(false),
+                volume_attributes: Some(BTreeMap::from([
+                    (contract::csi::FABRIC_ATTRIBUTE.to_owned(), name),
+                    (contract::csi::POOL_ATTRIBUTE.to_owned(), pool.name.clone()),
+                ])),
+                ..CSIVolumeSource::default()
+            }),
+            ..volume
+        },
     })
 }
 
@@ -1240,6 +1259,98 @@ mod tests {
             .collect();
         assert_eq!(container, vec!["gpus"]);
         assert!(pod(&build(&minimal(), 0)).resource_claims.is_none());
+    }
+
+    fn with_volume(kind: SocketVolume) -> AgentSettings {
+        AgentSettings {
+            socket_volume: kind,
+            ..settings()
+        }
+    }
+
+    #[test]
+    fn csi_socket_volume_names_fabric_and_pool_and_no_host_path() {
+        let f = minimal();
+        let ds = desired_daemonset(&f, &f.spec.pools[0], &with_volume(SocketVolume::Csi), "h")
+            .expect("builds");
+        let volumes = pod(&ds).volumes.as_ref().expect("volumes");
+        let v = volumes
+            .iter()
+            .find(|v| v.name == "socket-dir")
+            .expect("socket-dir");
+        let csi = v.csi.as_ref().expect("a csi volume");
+        assert_eq!(csi.driver, "csi.kvfabric.io");
+        assert_eq!(
+            csi.read_only,
+            Some(false),
+            "the agent binds its sockets there"
+        );
+        let attrs = csi.volume_attributes.as_ref().expect("attributes");
+        assert_eq!(attrs.get("fabric").map(String::as_str), Some(NAME));
+        assert_eq!(
+            attrs.get("pool").map(String::as_str),
+            Some(f.spec.pools[0].name.as_str())
+        );
+        assert!(volumes.iter().all(|v| v.host_path.is_none()));
+        // The same mount point as with a hostPath: the agent and its init container see no change.
+        assert!(
+            agent(&ds)
+                .volume_mounts
+                .iter()
+                .flatten()
+                .any(|m| m.name == "socket-dir" && m.mount_path == contract::socket::DEFAULT_DIR)
+        );
+    }
+
+    /// docs/operator.md's Pod Security table, row by row.
+    #[test]
+    fn pod_security_levels_are_those_the_docs_give() {
+        use crate::pod_security::{Level, violations};
+        let f = minimal();
+        let host = desired_daemonset(
+            &f,
+            &f.spec.pools[0],
+            &with_volume(SocketVolume::HostPath),
+            "h",
+        )
+        .expect("builds");
+        assert_eq!(
+            violations(Level::Baseline, pod(&host)),
+            ["hostPath volume \"socket-dir\""]
+        );
+        // tcp, shm and CUDA IPC agents with the CSI volume: baseline (the init container runs
+        // as root with CHOWN and FOWNER, which baseline allows and restricted does not).
+        let csi = desired_daemonset(&f, &f.spec.pools[0], &with_volume(SocketVolume::Csi), "h")
+            .expect("builds");
+        assert_eq!(violations(Level::Baseline, pod(&csi)), Vec::<String>::new());
+        assert!(!violations(Level::Restricted, pod(&csi)).is_empty());
+        let mut gpu = minimal();
+        gpu.spec.agent.gpu.enabled = true;
+        let ds = desired_daemonset(
+            &gpu,
+            &gpu.spec.pools[0],
+            &with_volume(SocketVolume::Csi),
+            "h",
+        )
+        .expect("builds");
+        assert_eq!(violations(Level::Baseline, pod(&ds)), Vec::<String>::new());
+        // RDMA (IPC_LOCK as uid 0) and the host network stay privileged, whatever the volume.
+        let rdma = full();
+        assert!(rdma.spec.agent.rdma.is_some());
+        let ds = desired_daemonset(
+            &rdma,
+            &rdma.spec.pools[0],
+            &with_volume(SocketVolume::Csi),
+            "h",
+        )
+        .expect("builds");
+        let v = violations(Level::Baseline, pod(&ds));
+        assert!(v.iter().any(|x| x.contains("IPC_LOCK")), "{v:?}");
+        let mut hn = minimal();
+        hn.spec.agent.host_network = true;
+        let ds = desired_daemonset(&hn, &hn.spec.pools[0], &with_volume(SocketVolume::Csi), "h")
+            .expect("builds");
+        assert_eq!(violations(Level::Baseline, pod(&ds)), ["hostNetwork: true"]);
     }
 
     #[test]

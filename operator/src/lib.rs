@@ -14,6 +14,7 @@ pub mod leader;
 pub mod meta;
 pub mod metrics;
 pub mod network_policy;
+pub mod pod_security;
 pub mod reconcile;
 pub mod render;
 pub mod server;

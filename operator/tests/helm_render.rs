@@ -19,8 +19,10 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PodSpec, Service, Service
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::api::storage::v1::CSIDriver;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kvfabric_crds::TransferFabric;
+use kvfabric_operator::pod_security::{Level, violations};
 use kvfabric_testkit::skip::{Why, skip};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -172,11 +174,40 @@ fn check(doc: &Value, file: &str) -> String {
     match kind.as_str() {
         "Deployment" => {
             let d: Deployment = strict(doc, &what);
-            check_deployment(&d, &what);
+            let pod = pod_spec_of(
+                d.spec.as_ref().and_then(|s| s.template.spec.as_ref()),
+                &what,
+            );
+            if pod.containers[0].name == "operator" {
+                check_deployment(&d, &what);
+            } else {
+                check_worker(pod, &what);
+            }
         }
         "DaemonSet" => {
             let d: DaemonSet = strict(doc, &what);
-            check_agent_daemonset(&d, &what);
+            if name.ends_with("-csi") {
+                check_csi_daemonset(&d, &what);
+            } else {
+                check_agent_daemonset(&d, &what);
+            }
+        }
+        "CSIDriver" => {
+            let d: CSIDriver = strict(doc, &what);
+            assert_eq!(
+                d.metadata.name.as_deref(),
+                Some(kvfabric_proto::contract::csi::DRIVER)
+            );
+            // Inline volumes only, nothing to attach, and the pod's namespace told to the driver
+            // (its only way to keep pods to their own namespace's fabrics).
+            assert_eq!(d.spec.attach_required, Some(false), "{what}");
+            assert_eq!(d.spec.pod_info_on_mount, Some(true), "{what}");
+            assert_eq!(d.spec.fs_group_policy.as_deref(), Some("None"), "{what}");
+            assert_eq!(
+                d.spec.volume_lifecycle_modes,
+                Some(vec!["Ephemeral".to_owned()]),
+                "{what}"
+            );
         }
         "Job" => {
             let j: Job = strict(doc, &what);
@@ -362,6 +393,7 @@ fn check_deployment(d: &Deployment, what: &str) {
         "--agent-image=",
         "--agent-image-pull-policy=",
         "--socket-root=",
+        "--socket-volume=",
     ] {
         assert!(
             args.iter().any(|a| a.starts_with(flag)),
@@ -393,6 +425,23 @@ fn check_restricted(pod: &PodSpec, what: &str) {
         pod.volumes.iter().flatten().all(|v| v.host_path.is_none()),
         "{what}"
     );
+}
+
+/// The value of an operator Deployment flag.
+fn operator_flag(docs: &[Value], flag: &str) -> Option<String> {
+    docs.iter()
+        .filter(|d| d["kind"] == "Deployment")
+        .flat_map(|d| {
+            d["spec"]["template"]["spec"]["containers"][0]["args"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .find_map(|a| {
+            a.as_str()
+                .and_then(|a| a.strip_prefix(flag))
+                .map(str::to_owned)
+        })
 }
 
 /// `--fabrics=` of the rendered uninstall Job.
@@ -449,6 +498,10 @@ fn check_agent_daemonset(d: &DaemonSet, what: &str) {
                 hp.path
             );
         }
+        if let Some(csi) = &v.csi {
+            assert_eq!(v.name, "socket-dir", "{what}");
+            check_csi_volume(csi, what);
+        }
     }
     assert_eq!(pod.host_ipc, None, "{what}");
     let agent = &pod.containers[0];
@@ -500,6 +553,102 @@ fn check_agent_daemonset(d: &DaemonSet, what: &str) {
     assert!(
         annotations.contains_key("kvfabric.io/config-hash"),
         "{what}: no config hash"
+    );
+}
+
+/// A pod's `csi.kvfabric.io` volume names a fabric and a pool, nothing else.
+fn check_csi_volume(csi: &k8s_openapi::api::core::v1::CSIVolumeSource, what: &str) {
+    use kvfabric_proto::contract::csi as c;
+    assert_eq!(csi.driver, c::DRIVER, "{what}");
+    let attrs = csi.volume_attributes.clone().unwrap_or_default();
+    let keys: Vec<&str> = attrs.keys().map(String::as_str).collect();
+    assert_eq!(keys, [c::FABRIC_ATTRIBUTE, c::POOL_ATTRIBUTE], "{what}");
+}
+
+/// A worker of the examples: passes `restricted`, and reaches its agent through the CSI volume,
+/// read-only, never a hostPath.
+fn check_worker(pod: &PodSpec, what: &str) {
+    assert_eq!(
+        violations(Level::Restricted, pod),
+        Vec::<String>::new(),
+        "{what}"
+    );
+    let csi: Vec<_> = pod
+        .volumes
+        .iter()
+        .flatten()
+        .filter_map(|v| v.csi.as_ref())
+        .collect();
+    assert_eq!(csi.len(), 1, "{what}: one socket volume");
+    check_csi_volume(csi[0], what);
+    assert_eq!(csi[0].read_only, Some(true), "{what}: workers only dial");
+}
+
+/// The CSI driver's DaemonSet: privileged (it mounts), Bidirectional on the kubelet's pods
+/// directory only, its flags those `kvfabric-csi` parses, the node name from the downward API.
+fn check_csi_daemonset(d: &DaemonSet, what: &str) {
+    let pod = pod_spec_of(d.spec.as_ref().and_then(|s| s.template.spec.as_ref()), what);
+    assert_eq!(
+        pod.automount_service_account_token,
+        Some(false),
+        "{what}: no API access"
+    );
+    let c = &pod.containers[0];
+    assert_eq!(
+        c.command.as_deref(),
+        Some(&[kvfabric_proto::contract::csi::BINARY.to_owned()][..]),
+        "{what}"
+    );
+    let args = c.args.clone().unwrap_or_default();
+    let mut argv = vec!["kvfabric-csi".to_owned(), "--node-id=n".to_owned()];
+    argv.extend(args.iter().cloned());
+    let cli = <kvfabric_csi::config::Cli as clap::Parser>::try_parse_from(&argv)
+        .unwrap_or_else(|e| panic!("{what}: {args:?}: {e}"));
+    let config = cli.config().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let node = c
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "KVFABRIC_NODE_NAME")
+        .and_then(|e| e.value_from.as_ref())
+        .and_then(|v| v.field_ref.as_ref())
+        .map(|f| f.field_path.clone());
+    assert_eq!(node.as_deref(), Some("spec.nodeName"), "{what}");
+    let sc = c.security_context.as_ref().expect("securityContext");
+    assert_eq!(sc.privileged, Some(true), "{what}: bind mounts need it");
+    let mounts = c.volume_mounts.clone().unwrap_or_default();
+    let bidirectional: Vec<&str> = mounts
+        .iter()
+        .filter(|m| m.mount_propagation.as_deref() == Some("Bidirectional"))
+        .map(|m| m.mount_path.as_str())
+        .collect();
+    let pods = config.kubelet_dir.join("pods");
+    assert_eq!(bidirectional, [pods.to_str().expect("utf-8")], "{what}");
+    // The sockets the kubelet finds are where the driver binds them, in the mounted host dirs.
+    for socket in [config.csi_socket(), config.registration_socket()] {
+        let dir = socket.parent().expect("parent");
+        let mount = mounts
+            .iter()
+            .find(|m| std::path::Path::new(&m.mount_path) == dir)
+            .unwrap_or_else(|| panic!("{what}: {} not mounted", dir.display()));
+        let host = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)
+            .and_then(|v| v.host_path.as_ref())
+            .map(|h| h.path.clone());
+        assert_eq!(
+            host.as_deref(),
+            dir.to_str(),
+            "{what}: same path on the host"
+        );
+    }
+    assert!(
+        mounts
+            .iter()
+            .any(|m| std::path::Path::new(&m.mount_path) == config.socket_root),
+        "{what}: the socket root is mounted"
     );
 }
 
@@ -639,6 +788,8 @@ fn rendered_manifests_are_strictly_valid() {
                 "PodMonitor",
                 "Role",
                 "PodDisruptionBudget",
+                "CSIDriver",
+                "DaemonSet",
             ] {
                 assert!(!has(absent), "{name}: {absent} is optional");
             }
@@ -659,6 +810,8 @@ fn rendered_manifests_are_strictly_valid() {
                 "Role",
                 "RoleBinding",
                 "Job",
+                "CSIDriver",
+                "DaemonSet",
             ] {
                 assert!(has(needed), "{name}: no {needed}");
             }
@@ -668,6 +821,34 @@ fn rendered_manifests_are_strictly_valid() {
                 !has("ClusterRole"),
                 "{name}: a ClusterRole despite watchNamespace"
             );
+        }
+        if name == "default.yaml" || name == "all-features.yaml" {
+            // The operator builds CSI volumes exactly when the chart installs the driver.
+            let volume = operator_flag(&docs, "--socket-volume=");
+            let expected = if has("CSIDriver") { "csi" } else { "host-path" };
+            assert_eq!(volume.as_deref(), Some(expected), "{name}");
+        }
+        if name.starts_with("objects-baseline-") {
+            // docs/operator.md: agents without RDMA or host network, on the CSI volume, pass
+            // baseline.
+            for d in &docs {
+                if d["kind"] == "DaemonSet" {
+                    let ds: DaemonSet = strict(d, name);
+                    let pod = pod_spec_of(
+                        ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()),
+                        name,
+                    );
+                    assert_eq!(
+                        violations(Level::Baseline, pod),
+                        Vec::<String>::new(),
+                        "{name}"
+                    );
+                    assert!(
+                        pod.volumes.iter().flatten().any(|v| v.csi.is_some()),
+                        "{name}"
+                    );
+                }
+            }
         }
         if name.starts_with("objects-") {
             assert!(
@@ -762,6 +943,45 @@ fn examples_are_strictly_valid() {
     assert!(
         demo.spec.agent.rdma.is_none() && !demo.spec.agent.gpu.enabled,
         "runs on a laptop"
+    );
+    let baseline = documents(&chart.join("examples/baseline.yaml"));
+    let kinds: Vec<String> = baseline
+        .iter()
+        .map(|d| check(d, "examples/baseline.yaml"))
+        .collect();
+    assert_eq!(kinds, vec!["Namespace", "TransferFabric", "Deployment"]);
+    assert_eq!(
+        baseline[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+        "baseline"
+    );
+    let tf: TransferFabric = strict(&baseline[1], "baseline example");
+    assert!(
+        tf.spec.agent.rdma.is_none() && !tf.spec.agent.host_network,
+        "baseline agents use neither RDMA nor the host network"
+    );
+    let worker: Deployment = strict(&baseline[2], "baseline worker");
+    let pod = worker.spec.and_then(|s| s.template.spec).expect("pod");
+    let attrs = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find_map(|v| v.csi.as_ref())
+        .and_then(|c| c.volume_attributes.clone())
+        .expect("csi volume");
+    assert_eq!(attrs.get("fabric"), tf.metadata.name.as_ref());
+    assert!(
+        tf.spec
+            .pools
+            .iter()
+            .any(|p| Some(&p.name) == attrs.get("pool"))
+    );
+    let groups = pod
+        .security_context
+        .and_then(|s| s.supplemental_groups)
+        .unwrap_or_default();
+    assert!(
+        groups.contains(&tf.spec.agent.sockets.group),
+        "the worker may open the sockets"
     );
     for f in ["ci/fabric-all-features.yaml", "ci/fabric-dra.yaml"] {
         for d in documents(&chart.join(f)) {

@@ -76,3 +76,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- range . -}}{{- $names = append $names .name -}}{{- end -}}
 {{- join "," $names -}}
 {{- end -}}
+
+{{- define "kvfabric.csiName" -}}
+{{- printf "%s-csi" (include "kvfabric.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvfabric.csiSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvfabric.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: csi-driver
+{{- end -}}
