@@ -1,7 +1,7 @@
 //! An agent served by a task of this process (tests, `kvfabric bench --through-agent`): its own
 //! socket directory, loopback ports, and a registry handed in (e.g. a shared in-memory store).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use kvfabric_agent::registry::SharedRegistry;
 use kvfabric_agent::server::Ready;
@@ -14,7 +14,9 @@ use crate::error::{Error, Result};
 /// Stops on drop or `stop`.
 #[derive(Debug)]
 pub struct InProcessAgent {
-    dir: tempfile::TempDir,
+    /// The temporary socket directory, when the agent made its own.
+    _tmp: Option<tempfile::TempDir>,
+    dir: PathBuf,
     stop: watch::Sender<bool>,
     task: Option<tokio::task::JoinHandle<kvfabric_agent::Result<()>>>,
     pub ready: Ready,
@@ -28,8 +30,28 @@ impl InProcessAgent {
         registry: SharedRegistry,
         telemetry: Telemetry,
     ) -> Result<Self> {
-        let dir = tempfile::tempdir().map_err(|e| Error::io("agent socket dir", e))?;
-        config.socket_dir = dir.path().to_path_buf();
+        let tmp = tempfile::tempdir().map_err(|e| Error::io("agent socket dir", e))?;
+        config.socket_dir = tmp.path().to_path_buf();
+        Self::serve(config, registry, telemetry, Some(tmp)).await
+    }
+
+    /// Serves `config` in the socket directory it names (one the test made, e.g. a mounted
+    /// volume), left in place when the agent stops.
+    pub async fn start_in_place(
+        config: AgentConfig,
+        registry: SharedRegistry,
+        telemetry: Telemetry,
+    ) -> Result<Self> {
+        Self::serve(config, registry, telemetry, None).await
+    }
+
+    async fn serve(
+        config: AgentConfig,
+        registry: SharedRegistry,
+        telemetry: Telemetry,
+        tmp: Option<tempfile::TempDir>,
+    ) -> Result<Self> {
+        let dir = config.socket_dir.clone();
         let listeners = Listeners::bind(&config).await?;
         let agent = Agent::start(config, listeners, registry, &telemetry).await?;
         let ready = agent.ready().clone();
@@ -38,6 +60,7 @@ impl InProcessAgent {
             let _ = rx.wait_for(|s| *s).await;
         }));
         Ok(InProcessAgent {
+            _tmp: tmp,
             dir,
             stop,
             task: Some(task),
@@ -51,7 +74,7 @@ impl InProcessAgent {
     }
 
     pub fn socket_dir(&self) -> &Path {
-        self.dir.path()
+        &self.dir
     }
 
     /// Drains like SIGTERM would and returns the agent's result.
