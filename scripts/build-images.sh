@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the operator and agent images here, without a container daemon, into OCI image archives:
-#   1. release binaries with cargo (kvfabric-operator and kvfabric-socket-dir; kvfabric with
-#      --features rdma);
+#   1. release binaries with cargo (kvfabric-operator; kvfabric-socket-dir and kvfabric-csi;
+#      kvfabric with --features rdma,cuda);
 #   2. a minimal Debian bookworm root filesystem per image from mmdebstrap (only the listed
 #      packages, extracted; no shell, no package manager), cached under ~/.cache/kvfabric keyed
 #      by suite, architecture, mirror, package list and recipe;
@@ -11,7 +11,17 @@
 #   4. checks: `skopeo inspect --config` of each archive (entrypoint, user, labels), and the
 #      binaries run from the archive's own unpacked rootfs (chroot in fresh namespaces, as the
 #      image's user): `kvfabric --version`, `kvfabric agent --help`, `kvfabric-operator --help`,
-#      `kvfabric-socket-dir --help`; the agent finds libibverbs and the verbs providers there.
+#      `kvfabric-socket-dir --help`, `kvfabric-csi --help`; the agent finds libibverbs and the
+#      verbs providers there;
+#   5. an SPDX 2.3 SBOM per image (scripts/sbom.py: binaries by checksum, the crates each links,
+#      the Debian packages of the base), in the image at /usr/share/doc/kvfabric/sbom.spdx.json
+#      and beside the archive; validated with PyPI's spdx-tools. The base's package control
+#      files are in /var/lib/dpkg/status.d (the distroless convention scanners read).
+#
+#   amd64 only: an arm64 image (Grace nodes) needs the aarch64 Rust standard library from
+#   rustup, which this project's machines cannot reach; on a machine that can:
+#   `rustup target add aarch64-unknown-linux-gnu`, apt's gcc-aarch64-linux-gnu and qemu-user-static,
+#   then the same steps with arch=arm64 and --target aarch64-unknown-linux-gnu (not automated).
 #
 #   scripts/build-images.sh [--out DIR]     build, check; archives in DIR (default target/images)
 #   scripts/build-images.sh --print-refs    print "operator <ref>" and "agent <ref>", build nothing
@@ -28,7 +38,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
 # Bump when the way a base rootfs is made changes, so cached ones are not reused.
-recipe=3
+recipe=4
 suite=bookworm
 arch=amd64
 mirror="${KVFABRIC_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
@@ -54,9 +64,17 @@ if [[ "${1:-}" == "__prune" ]]; then
     rootfs="$2"
     shift 2
     keep=" $* "
+    # The kept packages' control files and checksums, where scanners (Trivy, Syft, Grype) look
+    # in an image without a dpkg database (the distroless convention), and where the SBOM's
+    # Debian packages come from.
+    mkdir -p "$rootfs/var/lib/dpkg/status.d"
     for deb in "$rootfs"/var/cache/apt/archives/*.deb; do
         pkg="$(dpkg-deb -f "$deb" Package)"
-        [[ "$keep" == *" $pkg "* ]] && continue
+        if [[ "$keep" == *" $pkg "* ]]; then
+            dpkg-deb -f "$deb" > "$rootfs/var/lib/dpkg/status.d/$pkg"
+            dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./md5sums > "$rootfs/var/lib/dpkg/status.d/$pkg.md5sums" 2>/dev/null || true
+            continue
+        fi
         dpkg-deb --fsys-tarfile "$deb" | tar -t | while read -r f; do
             f="${f#./}"
             if [[ -n "$f" && ! -d "$rootfs/$f" ]]; then rm -f "$rootfs/$f"; fi
@@ -104,8 +122,9 @@ if [[ ${#missing[@]} -gt 0 ]]; then
 fi
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
-step "cargo build --release (operator; agent with rdma)"
+step "cargo build --release (operator; agent with rdma; csi driver)"
 cargo build --release --locked -p kvfabric-operator --bins
+cargo build --release --locked -p kvfabric-csi --bin kvfabric-csi
 cargo build --release --locked -p kvfabric-cli --no-default-features --features rdma,cuda --bin kvfabric
 rel="$CARGO_TARGET_DIR/release"
 
@@ -156,6 +175,16 @@ strip_into() { # binary, destination
     objcopy --strip-debug "$2"
 }
 
+# How cargo builds each binary of the images (above): the SBOM lists what each one links.
+cargo_args() {
+    case "$1" in
+        kvfabric) echo "-p kvfabric-cli --no-default-features --features rdma,cuda" ;;
+        kvfabric-operator | kvfabric-socket-dir) echo "-p kvfabric-operator" ;;
+        kvfabric-csi) echo "-p kvfabric-csi" ;;
+        *) echo "build-images: no cargo arguments for $1" >&2; exit 1 ;;
+    esac
+}
+
 build_image() { # name ref base-tarball entrypoint cmd description binaries...
     local name="$1" ref="$2" base="$3" entrypoint="$4" cmd="$5" description="$6"
     shift 6
@@ -169,10 +198,17 @@ build_image() { # name ref base-tarball entrypoint cmd description binaries...
         --history.comment "Debian $suite, extracted packages only: $(basename "$base")" \
         "$work/$name-base"
     umoci unpack --image "$layout:build" "$work/$name-app"
-    local b
+    local b sbom_bins=()
     for b in "$@"; do
         strip_into "$rel/$b" "$work/$name-app/rootfs/usr/local/bin/$b"
+        sbom_bins+=(--bin "/usr/local/bin/$b=$(cargo_args "$b")")
     done
+    # The SBOM goes into the image and beside its archive; the base layer's packages are read
+    # from the unpacked rootfs, so the base is part of it.
+    "$root/scripts/sbom.py" --image "$name" --version "$version" --revision "$revision" \
+        --created "$created" --arch "$arch" --rootfs "$work/$name-app/rootfs" \
+        --out "$work/$name-app/rootfs/usr/share/doc/kvfabric/sbom.spdx.json" \
+        --out "$out/$name-$tag.spdx.json" "${sbom_bins[@]}"
     # Commit-time mtimes, so the same commit gives the same layer.
     find "$work/$name-app/rootfs" -newermt "@$SOURCE_DATE_EPOCH" \
         -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
@@ -287,8 +323,8 @@ build_image kvfabric-operator "$operator_ref" "$operator_base" /usr/local/bin/kv
     "kvfabric operator: runs kvfabric agents for TransferFabric resources" kvfabric-operator
 step "agent image $agent_ref"
 build_image kvfabric-agent "$agent_ref" "$agent_base" /usr/local/bin/kvfabric agent \
-    "kvfabric node agent (rdma, cuda-ipc, shm, tcp) and the socket directory helper" \
-    kvfabric kvfabric-socket-dir
+    "kvfabric node agent (rdma, cuda-ipc, shm, tcp), the socket directory helper and CSI driver" \
+    kvfabric kvfabric-socket-dir kvfabric-csi
 
 operator_archive="$out/kvfabric-operator-$tag.oci.tar"
 agent_archive="$out/kvfabric-agent-$tag.oci.tar"
@@ -306,6 +342,7 @@ expect() { # what, pattern, output
 expect "kvfabric --version" "^kvfabric $version\$" "$(run_in "$agent_archive" /usr/local/bin/kvfabric --version)"
 expect "kvfabric agent --help" "--etcd-endpoints" "$(run_in "$agent_archive" /usr/local/bin/kvfabric agent --help)"
 expect "kvfabric-socket-dir --help" "--mode" "$(run_in "$agent_archive" /usr/local/bin/kvfabric-socket-dir --help)"
+expect "kvfabric-csi --help" "--kubelet-dir" "$(run_in "$agent_archive" /usr/local/bin/kvfabric-csi --help)"
 expect "kvfabric-operator --help" "--agent-image" "$(run_in "$operator_archive" /usr/local/bin/kvfabric-operator --help)"
 expect "kvfabric-operator --version" "^kvfabric-operator $version\$" \
     "$(run_in "$operator_archive" /usr/local/bin/kvfabric-operator --version)"
@@ -334,6 +371,43 @@ for f in /etc/libibverbs.d/mlx5.driver /usr/lib/x86_64-linux-gnu/libibverbs/libm
         exit 1
     }
 done
+step "checking the SBOMs (spdx-tools)"
+spdx_python="$("$root/scripts/tool-venv.sh" spdx-tools-0.8.5 "spdx-tools==0.8.5")"
+for image in kvfabric-operator kvfabric-agent; do
+    image_root="$work/check-$image-$tag/bundle/rootfs"
+    sbom="$out/$image-$tag.spdx.json"
+    cmp -s "$sbom" "$image_root/usr/share/doc/kvfabric/sbom.spdx.json" || {
+        echo "build-images: the SBOM in $image is not the one beside its archive" >&2
+        exit 1
+    }
+    "$spdx_python" - "$sbom" "$image_root" <<'PY'
+import json, pathlib, sys
+from spdx_tools.spdx.parser.parse_anything import parse_file
+from spdx_tools.spdx.validation.document_validator import validate_full_spdx_document
+path, rootfs = sys.argv[1], pathlib.Path(sys.argv[2])
+problems = validate_full_spdx_document(parse_file(path))
+if problems:
+    sys.exit("build-images: invalid SPDX in %s:\n%s" % (path, "\n".join(p.validation_message for p in problems[:20])))
+doc = json.load(open(path))
+have = {(p["name"], p.get("versionInfo")) for p in doc["packages"]}
+# Every Debian package of the image, at its version, and every binary by its checksum.
+for f in (rootfs / "var/lib/dpkg/status.d").glob("*"):
+    if f.name.endswith(".md5sums"):
+        continue
+    fields = dict(l.split(": ", 1) for l in f.read_text().splitlines() if ": " in l and not l.startswith(" "))
+    assert (fields["Package"], fields["Version"]) in have, f"{path}: lacks {fields['Package']}"
+import hashlib
+for f in doc["files"]:
+    data = (rootfs / f["fileName"].lstrip("./")).read_bytes()
+    sums = {c["algorithm"]: c["checksumValue"] for c in f["checksums"]}
+    assert sums["SHA256"] == hashlib.sha256(data).hexdigest(), f["fileName"]
+names = {n for n, _ in have}
+for crate in ("tokio", "rustls" if "operator" in path else "kvfabric-engine"):
+    assert crate in names, f"{path}: lacks crate {crate}"
+print(f"build-images: {path}: valid SPDX 2.3, {len(doc['packages'])} packages, {len(doc['files'])} binaries", file=sys.stderr)
+PY
+done
+
 # No shell, no package manager, no setuid or setgid file.
 for r in "$agent_root" "$operator_root"; do
     for f in /bin/sh /usr/bin/sh /usr/bin/dpkg /usr/bin/apt /usr/bin/passwd /usr/bin/perl; do
@@ -352,6 +426,7 @@ done
 step "done in $((SECONDS - started))s:"
 for a in "$operator_archive" "$agent_archive"; do
     echo "  $a ($(du -h "$a" | cut -f1))  $(sed -n "1p" <<<"$(skopeo inspect --format '{{.Digest}}' "oci-archive:$a")")"
+    echo "    SBOM (SPDX 2.3): ${a%.oci.tar}.spdx.json, and in the image at /usr/share/doc/kvfabric/sbom.spdx.json"
 done
 echo "load into kind:  kind load image-archive $agent_archive --name <cluster>"
 echo "push:            skopeo copy oci-archive:$agent_archive docker://<registry>/kvfabric-agent:$tag"
