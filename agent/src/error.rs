@@ -17,8 +17,8 @@ pub enum Error {
         reason: String,
     },
 
-    /// `delete_segment` of a segment this agent did not put.
-    #[error("unknown segment {:?}: this agent did not put it", echo(.name))]
+    /// A segment no agent serves, or (`delete_segment`) one this agent did not put.
+    #[error("unknown segment {:?}", echo(.name))]
     UnknownSegment { name: String },
 
     /// etcd did not answer (down, partitioned, timed out). For writes, the entry is still
@@ -55,9 +55,6 @@ pub enum Error {
         endpoints: String,
         reason: String,
     },
-
-    #[error("unknown segment {:?}", echo(.name))]
-    NoSuchSegment { name: String },
 
     #[error("segment {:?} already exists (served by agent {:?})", echo(.name), echo(.agent))]
     SegmentExists { name: String, agent: String },
@@ -170,11 +167,11 @@ impl Error {
     }
 
     /// A short, stable name for the kind of error (metrics label, span attribute).
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             Error::Engine(e) => e.code(),
             Error::Config { .. } => "config",
-            Error::UnknownSegment { .. } | Error::NoSuchSegment { .. } => "unknown_segment",
+            Error::UnknownSegment { .. } => "unknown_segment",
             Error::RegistryUnavailable { .. } => "registry_unavailable",
             Error::Registry { .. } => "registry",
             Error::RegistryCompacted { .. } => "registry_compacted",

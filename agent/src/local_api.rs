@@ -269,7 +269,7 @@ impl LocalAgent for LocalApi {
         let transfer = match decode_transfer(request.into_inner()) {
             Ok(t) => t,
             Err(e) => {
-                self.node.metrics.error(e.kind());
+                self.node.metrics.error(e.label());
                 return Err(e.into());
             }
         };

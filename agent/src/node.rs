@@ -271,7 +271,7 @@ impl Node {
             .unwrap_or_else(|e| e.into_inner())
             .get(name)
             .cloned()
-            .ok_or_else(|| Error::NoSuchSegment { name: name.into() })?;
+            .ok_or_else(|| Error::UnknownSegment { name: name.into() })?;
         if seg.key != AccessKey(key) {
             return Err(Error::WrongKey { name: name.into() });
         }
@@ -538,7 +538,7 @@ impl Node {
             }
             Err(e) => {
                 record_error(&span, e);
-                self.metrics.error(e.kind());
+                self.metrics.error(e.label());
             }
         }
         outcome
@@ -582,11 +582,11 @@ impl Node {
                 ),
             ));
         }
-        let remote = self
-            .segment_entry(&t.remote_segment)
-            .ok_or_else(|| Error::NoSuchSegment {
-                name: t.remote_segment.clone(),
-            })?;
+        let remote =
+            self.segment_entry(&t.remote_segment)
+                .ok_or_else(|| Error::UnknownSegment {
+                    name: t.remote_segment.clone(),
+                })?;
         let (src_node, dst_node) = match t.opcode {
             Opcode::Read => (&remote.agent, &self.config.name),
             Opcode::Write => (&self.config.name, &remote.agent),
@@ -776,7 +776,7 @@ impl Node {
                 elapsed: done.elapsed,
                 remote_agent: link.agent.clone(),
             }),
-            Err(e) if e.code() == "rdma_fallback" => {
+            Err(e) if e.kind() == kvfabric_engine::ErrorKind::RdmaFallback => {
                 // RDMA to this peer was given up: the batch goes again over the next allowed
                 // transport, whose link reason says why (as does the batch result).
                 link.errors.fetch_add(1, Ordering::Relaxed);
@@ -791,7 +791,7 @@ impl Node {
             }
             Err(e) => {
                 link.errors.fetch_add(1, Ordering::Relaxed);
-                if connection_lost(&e) {
+                if e.breaks_connection() {
                     self.forget(&link).await;
                 }
                 Err(e.into())
@@ -1005,7 +1005,7 @@ impl Node {
             .unwrap_or_else(|e| e.into_inner())
             .get(name)
             .cloned()
-            .ok_or_else(|| Error::NoSuchSegment { name: name.into() })?;
+            .ok_or_else(|| Error::UnknownSegment { name: name.into() })?;
         let grant = if segment.key == AccessKey(key) {
             None
         } else {
@@ -1025,12 +1025,12 @@ impl Node {
     /// that serves it when that is another.
     fn hold_segment(&self, name: &str, key: u64) -> Result<Arc<LocalSegment>> {
         match self.local_segment(name, key) {
-            Err(Error::NoSuchSegment { .. }) => match self.registry.segment(name) {
+            Err(Error::UnknownSegment { .. }) => match self.registry.segment(name) {
                 Some(e) if e.agent != self.config.name => Err(Error::SegmentElsewhere {
                     name: name.into(),
                     agent: e.agent,
                 }),
-                _ => Err(Error::NoSuchSegment { name: name.into() }),
+                _ => Err(Error::UnknownSegment { name: name.into() }),
             },
             other => other,
         }
@@ -1403,14 +1403,6 @@ fn unserved<'a>(link: &Link, segment: &'a SegmentEntry) -> Option<&'a SegmentReg
         .regions
         .iter()
         .find(|r| link.peer.region_key(r.id).is_none())
-}
-
-/// Errors after which the connection cannot be trusted to carry the next batch.
-fn connection_lost(e: &kvfabric_engine::Error) -> bool {
-    matches!(
-        e.code(),
-        "peer_closed" | "timeout" | "io" | "malformed_frame" | "shutting_down"
-    )
 }
 
 /// A hold's time to live: 1 ms to an hour.

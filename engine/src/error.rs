@@ -487,6 +487,20 @@ impl Error {
         self.kind().code()
     }
 
+    /// Whether the connection that carried the batch can no longer be trusted with the next
+    /// one: the peer went, the socket failed or timed out, a frame did not parse, or the engine
+    /// is stopping.
+    pub fn breaks_connection(&self) -> bool {
+        matches!(
+            self.kind(),
+            ErrorKind::PeerClosed
+                | ErrorKind::Timeout
+                | ErrorKind::Io
+                | ErrorKind::Frame
+                | ErrorKind::ShuttingDown
+        )
+    }
+
     pub(crate) fn to_remote(&self) -> RemoteError {
         match self {
             Error::Remote(r) => r.clone(),
@@ -538,6 +552,39 @@ impl Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_peer_or_socket_breaks_the_connection_a_refusal_does_not() {
+        let lost = [
+            Error::PeerClosed { peer: "p".into() },
+            Error::Timeout {
+                batch: 1,
+                millis: 5,
+            },
+            Error::ShuttingDown,
+            Error::Io {
+                context: "read".into(),
+                source: io::Error::from(io::ErrorKind::ConnectionReset),
+            },
+        ];
+        for e in &lost {
+            assert!(e.breaks_connection(), "{e}");
+        }
+        // The peer answered: the connection carried its refusal and carries the next batch.
+        let refusal = Error::Remote(RemoteError {
+            code: "io".into(),
+            message: "the peer's disk".into(),
+        });
+        assert!(!refusal.breaks_connection());
+        assert!(!Error::EmptyBatch.breaks_connection());
+        assert!(
+            !Error::RdmaFallback {
+                peer: "p".into(),
+                reason: "no route".into()
+            }
+            .breaks_connection()
+        );
+    }
 
     #[test]
     fn every_kind_has_its_own_code_and_codes_name_their_kinds() {

@@ -1041,7 +1041,7 @@ async fn failing_apply(fault: Fault) -> (Error, Arc<Context>, Fake) {
 #[tokio::test]
 async fn conflict_409_requeues_with_backoff() {
     let (err, ctx, fake) = failing_apply(Fault::Code(409)).await;
-    assert_eq!(err.kind(), "conflict");
+    assert_eq!(err.label(), "conflict");
     assert!(err.to_string().contains("tf-prefill-agent"), "{err}");
     let f = Arc::new(full());
     assert_eq!(
@@ -1072,7 +1072,7 @@ async fn conflict_409_requeues_with_backoff() {
 #[tokio::test]
 async fn server_error_500_requeues_with_backoff() {
     let (err, ctx, _fake) = failing_apply(Fault::Code(500)).await;
-    assert_eq!(err.kind(), "api_server");
+    assert_eq!(err.label(), "api_server");
     assert_eq!(
         error_policy(Arc::new(full()), &err, ctx.clone()),
         Action::requeue(Duration::from_secs(5))
@@ -1083,7 +1083,7 @@ async fn server_error_500_requeues_with_backoff() {
 #[tokio::test]
 async fn hung_api_server_times_out() {
     let (err, ctx, _fake) = failing_apply(Fault::Hang).await;
-    assert_eq!(err.kind(), "timeout");
+    assert_eq!(err.label(), "timeout");
     assert!(matches!(err, Error::Timeout { .. }), "{err}");
     assert_eq!(
         error_policy(Arc::new(full()), &err, ctx.clone()),

@@ -151,7 +151,7 @@ impl Error {
     }
 
     /// A short, stable label for the failures metric.
-    pub fn kind(&self) -> &'static str {
+    pub fn label(&self) -> &'static str {
         match self {
             Error::Kube { source, .. } => match source.as_ref() {
                 kube::Error::Api(s) if s.is_conflict() => "conflict",

@@ -158,7 +158,7 @@ pub async fn reconcile(fabric: Arc<TransferFabric>, ctx: Arc<Context>) -> Result
 
 /// Counts the failure and requeues the object after its own exponential backoff.
 pub fn error_policy(fabric: Arc<TransferFabric>, error: &Error, ctx: Arc<Context>) -> Action {
-    ctx.metrics.failure(error.kind());
+    ctx.metrics.failure(error.label());
     let delay = ctx.backoff.next_delay(&object_key(&fabric));
     tracing::warn!(fabric = %object_key(&fabric), error = %error, ?delay, "reconcile failed");
     Action::requeue(delay)

@@ -4,10 +4,17 @@
 use tonic::Code;
 
 /// Every engine error kind has a code here: a kind added to the engine does not compile until
-/// it is given one.
+/// it is given one. A failure the peer reported is judged by the kind it reported.
 pub fn engine_code(e: &kvfabric_engine::Error) -> Code {
+    match e {
+        kvfabric_engine::Error::Remote(r) => remote_code(r),
+        other => kind_code(other.kind()),
+    }
+}
+
+fn kind_code(kind: kvfabric_engine::ErrorKind) -> Code {
     use kvfabric_engine::ErrorKind as K;
-    match e.kind() {
+    match kind {
         K::WrongKey | K::WrongSegmentKey => Code::PermissionDenied,
         K::UnknownRegion | K::UnknownSegment => Code::NotFound,
         K::OutOfBounds
@@ -45,33 +52,59 @@ pub fn engine_code(e: &kvfabric_engine::Error) -> Code {
         | K::NotShareable
         | K::StagingNotConfigured => Code::FailedPrecondition,
         K::Cuda | K::CreditOverrun => Code::Internal,
-        K::Remote => remote_code(e),
+        // Only `Error::Remote` has this kind, and it is judged by its report above.
+        K::Remote => Code::Aborted,
     }
 }
 
-/// A failure the peer reported carries its own code; keys and bounds stay the caller's fault.
-fn remote_code(e: &kvfabric_engine::Error) -> Code {
+/// A failure the peer reported: keys, bounds, a deadline and corrupt data stay what they are
+/// (the caller's to fix or to know); the peer's own trouble fails this batch there (`Aborted`:
+/// the next one may pass), and so does a code this build does not know (a newer peer's).
+fn remote_code(r: &kvfabric_engine::RemoteError) -> Code {
     use kvfabric_engine::ErrorKind as K;
-    let kvfabric_engine::Error::Remote(r) = e else {
+    let Some(kind) = r.kind() else {
         return Code::Aborted;
     };
-    match r.kind() {
-        Some(K::WrongKey | K::WrongSegmentKey) => Code::PermissionDenied,
-        Some(K::UnknownRegion) => Code::NotFound,
-        Some(
-            K::OutOfBounds
-            | K::ZeroLength
-            | K::BatchTooLarge
-            | K::RangeOverflow
-            | K::OverlappingDestination
-            | K::InvalidPlane
-            | K::PlaneOutOfBounds
-            | K::DuplicateBlock
-            | K::OverlappingPlanes,
-        ) => Code::InvalidArgument,
-        Some(K::Timeout) => Code::DeadlineExceeded,
-        Some(K::Checksum) => Code::DataLoss,
-        _ => Code::Aborted,
+    match kind {
+        K::WrongKey | K::WrongSegmentKey => Code::PermissionDenied,
+        K::UnknownRegion => Code::NotFound,
+        K::OutOfBounds
+        | K::ZeroLength
+        | K::BatchTooLarge
+        | K::RangeOverflow
+        | K::OverlappingDestination
+        | K::InvalidPlane
+        | K::PlaneOutOfBounds
+        | K::DuplicateBlock
+        | K::OverlappingPlanes => Code::InvalidArgument,
+        K::Timeout => Code::DeadlineExceeded,
+        K::Checksum => Code::DataLoss,
+        K::UnknownSegment
+        | K::EmptyBatch
+        | K::ProtocolVersion
+        | K::AuthFailed
+        | K::Frame
+        | K::PeerClosed
+        | K::Cancelled
+        | K::TransportUnavailable
+        | K::NotShareable
+        | K::InvalidConfig
+        | K::Remote
+        | K::Io
+        | K::ShuttingDown
+        | K::NoCudaDriver
+        | K::NoSuchDevice
+        | K::Cuda
+        | K::StagingNotConfigured
+        | K::MixedDevices
+        | K::InvalidIpcHandle
+        | K::UnregisteredPointer
+        | K::NoRdmaDevice
+        | K::RdmaPort
+        | K::BadHandshake
+        | K::CreditOverrun
+        | K::Verbs
+        | K::RdmaFallback => Code::Aborted,
     }
 }
 

@@ -105,7 +105,7 @@ mod tests {
             ),
         );
         assert!(matches!(e, Error::RegistryCompacted { .. }), "{e}");
-        assert_eq!(e.kind(), "registry_compacted");
+        assert_eq!(e.label(), "registry_compacted");
         // Any other out-of-range answer is etcd saying no.
         let e = classify(
             "read",
