@@ -78,6 +78,27 @@ def debian_packages(rootfs: Path) -> list[dict[str, str]]:
     return out
 
 
+def library(spdx: str, name: str, version: str, purl: str, **fields: object) -> dict:
+    """A dependency's package entry; `fields` add or override (download, license, ...)."""
+    return {
+        "SPDXID": spdx,
+        "name": name,
+        "versionInfo": version,
+        "downloadLocation": "NOASSERTION",
+        "filesAnalyzed": False,
+        "licenseDeclared": "NOASSERTION",
+        "licenseConcluded": "NOASSERTION",
+        "copyrightText": "NOASSERTION",
+        "primaryPackagePurpose": "LIBRARY",
+        "externalRefs": [{
+            "referenceCategory": "PACKAGE-MANAGER",
+            "referenceType": "purl",
+            "referenceLocator": purl,
+        }],
+        **fields,
+    }
+
+
 def digests(path: Path) -> dict[str, str]:
     data = path.read_bytes()
     return {"SHA1": hashlib.sha1(data).hexdigest(), "SHA256": hashlib.sha256(data).hexdigest()}
@@ -145,24 +166,13 @@ def main() -> int:
             if key not in crate_ids:
                 crate_ids[key] = spdx_id("Crate", name, version)
                 from_registry = meta.get("source") == CRATES_IO
-                pkg = {
-                    "SPDXID": crate_ids[key],
-                    "name": name,
-                    "versionInfo": version,
-                    "downloadLocation": (
-                        f"https://crates.io/api/v1/crates/{name}/{version}/download"
-                        if from_registry else "NOASSERTION"),
-                    "filesAnalyzed": False,
-                    "licenseDeclared": license_expression(meta.get("license")),
-                    "licenseConcluded": "NOASSERTION",
-                    "copyrightText": "NOASSERTION",
-                    "primaryPackagePurpose": "LIBRARY",
-                    "externalRefs": [{
-                        "referenceCategory": "PACKAGE-MANAGER",
-                        "referenceType": "purl",
-                        "referenceLocator": f"pkg:cargo/{name}@{version}",
-                    }],
-                }
+                pkg = library(
+                    crate_ids[key], name, version, f"pkg:cargo/{name}@{version}",
+                    licenseDeclared=license_expression(meta.get("license")),
+                )
+                if from_registry:
+                    pkg["downloadLocation"] = (
+                        f"https://crates.io/api/v1/crates/{name}/{version}/download")
                 if from_registry and checksums.get(key):
                     pkg["checksums"] = [{"algorithm": "SHA256",
                                          "checksumValue": checksums[key]}]
@@ -181,24 +191,12 @@ def main() -> int:
         name, version, arch = d["Package"], d["Version"], d.get("Architecture", a.arch)
         deb_id = spdx_id("Deb", name, version)
         source = d.get("Source", name).split()[0]
-        packages.append({
-            "SPDXID": deb_id,
-            "name": name,
-            "versionInfo": version,
-            "downloadLocation": "NOASSERTION",
-            "filesAnalyzed": False,
-            "supplier": f"Organization: {d.get('Maintainer', 'Debian')}",
-            "sourceInfo": f"Debian source package {source}",
-            "licenseDeclared": "NOASSERTION",
-            "licenseConcluded": "NOASSERTION",
-            "copyrightText": "NOASSERTION",
-            "primaryPackagePurpose": "LIBRARY",
-            "externalRefs": [{
-                "referenceCategory": "PACKAGE-MANAGER",
-                "referenceType": "purl",
-                "referenceLocator": f"pkg:deb/debian/{name}@{version}?arch={arch}&distro=debian-12",
-            }],
-        })
+        packages.append(library(
+            deb_id, name, version,
+            f"pkg:deb/debian/{name}@{version}?arch={arch}&distro=debian-12",
+            supplier=f"Organization: {d.get('Maintainer', 'Debian')}",
+            sourceInfo=f"Debian source package {source}",
+        ))
         relationships.append({"spdxElementId": image_id, "relationshipType": "CONTAINS",
                               "relatedSpdxElement": deb_id})
     doc = {

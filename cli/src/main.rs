@@ -6,25 +6,19 @@ mod status;
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 use command::Cli;
 
-/// sysexits EX_USAGE: the command line or environment is wrong (each crate's `exit_code` says 64
-/// for its configuration errors too).
-const EXIT_CONFIG: u8 = 64;
+/// The command line or environment is wrong (each crate's `exit_code` says 64 for its
+/// configuration errors too).
+use kvfabric_rt::args::EXIT_USAGE as EXIT_CONFIG;
 
 fn main() -> ExitCode {
     kvfabric_agent::allocator::keep_freed_memory();
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match kvfabric_rt::args::parse() {
         Ok(cli) => cli,
-        Err(e) => {
-            let usage = e.use_stderr();
-            let _ = e.print();
-            // Help and version are not errors.
-            return ExitCode::from(if usage { EXIT_CONFIG } else { 0 });
-        }
+        Err(exit) => return exit,
     };
     let filter = match EnvFilter::try_new(&cli.log) {
         Ok(f) => f,

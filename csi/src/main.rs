@@ -4,32 +4,23 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use kvfabric_csi::config::Cli;
 use kvfabric_csi::node::Node;
 use kvfabric_csi::server::{bind, serve};
 
-/// sysexits EX_USAGE: the command line or environment is wrong.
-const EXIT_CONFIG: u8 = 64;
+use kvfabric_rt::args::{EXIT_USAGE, parse};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match parse() {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(EXIT_CONFIG);
-        }
+        Err(exit) => return exit,
     };
     let config = match cli.config() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvfabric-csi: {e}");
-            return ExitCode::from(EXIT_CONFIG);
+            return ExitCode::from(EXIT_USAGE);
         }
     };
     tracing_subscriber::fmt()

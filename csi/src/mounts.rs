@@ -83,6 +83,22 @@ pub fn unbind(target: &Path) -> Result<()> {
     }
 }
 
+/// Detaches every mount at or below `dir`, deepest first, and says how many: for tests and
+/// tools that clean up after the driver (which itself unmounts one target at a time).
+pub fn detach_under(dir: &Path) -> Result<usize> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(Error::io("read /proc/self/mountinfo"))?;
+    let mut points: Vec<String> = mount_points(&info)
+        .filter(|p| Path::new(p).starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for p in &points {
+        unmount(p.as_str(), UnmountFlags::NOFOLLOW | UnmountFlags::DETACH)
+            .map_err(Error::mount(format!("detach {p}")))?;
+    }
+    Ok(points.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use hyper_util::rt::TokioIo;
 use kvfabric_csi::config::Config;
-use kvfabric_csi::mounts::is_mount_point;
+use kvfabric_csi::mounts::{detach_under, is_mount_point};
 use kvfabric_csi::node::Node;
 use kvfabric_csi::pb::csi as pb;
 use kvfabric_csi::pb::csi::identity_client::IdentityClient;
@@ -107,16 +107,7 @@ impl Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        let prefix = self.tmp.path().to_path_buf();
-        if let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") {
-            for point in info.lines().filter_map(|l| l.split(' ').nth(4)) {
-                if Path::new(point).starts_with(&prefix) {
-                    let _ = std::process::Command::new("umount")
-                        .args(["-l", point])
-                        .status();
-                }
-            }
-        }
+        let _ = detach_under(self.tmp.path());
     }
 }
 

@@ -4,13 +4,14 @@
 //! that finds no agent, and the directory gone with the last pod. Real bind mounts: root, as CI.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use kvfabric_agent::registry::memory::MemoryStore;
 use kvfabric_agent::telemetry::Telemetry;
 use kvfabric_client::Client;
 use kvfabric_csi::config::Config;
+use kvfabric_csi::mounts::detach_under;
 use kvfabric_csi::node::Node;
 use kvfabric_csi::pb::csi as pb;
 use kvfabric_csi::pb::csi::volume_capability::{AccessType, MountVolume};
@@ -76,16 +77,7 @@ impl Pods {
 impl Drop for Pods {
     fn drop(&mut self) {
         // A failed assertion must not leave mounts behind in /tmp.
-        let prefix = self.tmp.path().to_path_buf();
-        if let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") {
-            for point in info.lines().filter_map(|l| l.split(' ').nth(4)) {
-                if Path::new(point).starts_with(&prefix) {
-                    let _ = std::process::Command::new("umount")
-                        .args(["-l", point])
-                        .status();
-                }
-            }
-        }
+        let _ = detach_under(self.tmp.path());
     }
 }
 

@@ -6,7 +6,6 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::Parser;
 use kvfabric_operator::config::{Cli, Command, KubeVersion, Settings};
 use kvfabric_operator::metrics::Metrics;
 use kvfabric_operator::reconcile::{Context, check_crd_installed, run_controller};
@@ -14,8 +13,7 @@ use kvfabric_operator::server::{Health, Phase, serve};
 use kvfabric_operator::{Error, Result, leader, render, uninstall};
 use tokio::sync::watch;
 
-/// sysexits EX_USAGE: the command line or environment is wrong.
-const EXIT_CONFIG: u8 = 64;
+use kvfabric_rt::args::EXIT_USAGE as EXIT_CONFIG;
 
 fn fail(e: &Error) -> ExitCode {
     tracing::error!(error = %e, "exiting");
@@ -30,17 +28,9 @@ fn usage(e: &Error) -> ExitCode {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match kvfabric_rt::args::parse() {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            // --help / --version
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(EXIT_CONFIG);
-        }
+        Err(exit) => return exit,
     };
     match cli.command {
         Some(Command::Render(args)) => {

@@ -1,9 +1,12 @@
 //! Process plumbing the agent, the engine's listeners and the operator share, so each exists once:
 //! the shutdown signal ([`shutdown`]), exponential back-off ([`backoff`]), logging at most once
 //! per interval what a peer can provoke ([`throttle`]), and who keeps a slot when a listener is
-//! full ([`admission`]).
+//! full ([`admission`]); with the `args` feature, how the binaries parse their command line
+//! ([`args`]).
 
 pub mod admission;
+#[cfg(feature = "args")]
+pub mod args;
 pub mod backoff;
 pub mod shutdown;
 pub mod throttle;

@@ -26,16 +26,9 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    let args = match Args::try_parse() {
+    let args: Args = match kvfabric_rt::args::parse() {
         Ok(a) => a,
-        Err(e) if !e.use_stderr() => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(64);
-        }
+        Err(exit) => return exit,
     };
     match kvfabric_operator::socket_dir::prepare(&args.dir, args.uid, args.gid, args.mode) {
         Ok(()) => {
