@@ -1,6 +1,7 @@
 //! What the cargo-fuzz targets drive (cargo feature `fuzzing`, never in a release build): the
 //! batch planner of [`Peer`] without a connection, against real local regions and a remote
-//! descriptor whose lengths the caller picks (a peer's descriptor may claim anything).
+//! descriptor whose lengths the caller picks (a peer's descriptor may claim anything); the tcp
+//! target's checks of what a peer sends ([`Served`]); the handshake's target side.
 
 use std::sync::{Arc, RwLock};
 
@@ -133,6 +134,111 @@ impl Planner {
                     op: p.op,
                 }
             })
+            .collect())
+    }
+}
+
+/// One range a target's checks passed, as plain numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Passed {
+    pub region: RegionId,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Regions of the given lengths, served as the tcp target serves them: what its checks pass
+/// of the manifests and block tables a peer sends.
+#[derive(Debug)]
+pub struct Served {
+    engine: Engine,
+    regions: Vec<Arc<Region>>,
+}
+
+impl Served {
+    pub fn new(lens: &[u64]) -> Result<Self> {
+        let engine = Engine::new(EngineConfig {
+            name: "fuzz-target".into(),
+            shm_threads: 1,
+            ..EngineConfig::default()
+        })?;
+        let regions = lens
+            .iter()
+            .map(|&len| engine.alloc(len))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Served { engine, regions })
+    }
+
+    /// Id, key and length of each region, in the order their lengths were given.
+    pub fn regions(&self) -> Vec<(RegionId, AccessKey, u64)> {
+        self.regions
+            .iter()
+            .map(|r| (r.id(), r.key(), r.len()))
+            .collect()
+    }
+
+    /// Where a passed range lies: it must be inside the region it was checked against.
+    fn passed(&self, range: &crate::region::RawRange, region: RegionId) -> Passed {
+        let r = self
+            .regions
+            .iter()
+            .find(|r| r.id() == region)
+            .expect("a passed range names a served region");
+        let base = r.range(0, "base", 0, 0).expect("empty range").ptr as usize;
+        let offset = (range.ptr as usize)
+            .checked_sub(base)
+            .expect("a passed range starts before its region") as u64;
+        let len = range.len as u64;
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= r.len()),
+            "a passed range ends past its region"
+        );
+        Passed {
+            region,
+            offset,
+            len,
+        }
+    }
+
+    /// A manifest's entries as the target checks them, with `staging_bytes` of staging.
+    pub fn entries(
+        &self,
+        entries: &[Entry],
+        writes: bool,
+        staging_bytes: u64,
+    ) -> Result<Vec<Passed>> {
+        let checked = crate::transport::checked::Checked::entries(
+            &self.engine.inner.regions,
+            staging_bytes,
+            entries,
+            writes,
+        )?;
+        Ok(checked
+            .ranges
+            .iter()
+            .zip(entries)
+            .map(|(range, e)| self.passed(range, e.region))
+            .collect())
+    }
+
+    /// A block table as the target checks it: plane by plane, block by block.
+    pub fn table(
+        &self,
+        table: &crate::frame::TableManifest,
+        writes: bool,
+        staging_bytes: u64,
+    ) -> Result<Vec<Passed>> {
+        let checked = crate::transport::checked::Checked::table(
+            &self.engine.inner.regions,
+            staging_bytes,
+            table,
+            writes,
+        )?;
+        let blocks = table.blocks.len().max(1);
+        Ok(checked
+            .ranges
+            .iter()
+            .enumerate()
+            .map(|(i, range)| self.passed(range, table.planes[i / blocks].region))
             .collect())
     }
 }

@@ -13,6 +13,7 @@ use crate::segment::SegmentDescriptor;
 pub use crate::transport_kind::TransportKind;
 pub(crate) use planned_table::PlannedTable;
 
+pub(crate) mod checked;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda_ipc;
 pub(crate) mod data_stream;

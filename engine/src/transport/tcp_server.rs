@@ -11,26 +11,23 @@ use std::time::{Instant, SystemTime};
 
 use tracing::{debug, info};
 
-use super::TransportKind;
+use super::checked::Checked;
 use super::data_stream::{DataStream, Out};
 use super::io::{
     SpinReader, discard, extend_to_len, hang_up, read_exact_vectored, read_to_len, spin_fill,
     write_all_vectored,
 };
 use super::listener::Admission;
-use super::staging::{Span, Staging, device_of};
+use super::staging::Staging;
 use super::target::ServedChunk;
 use super::target::Target;
-use crate::block_table::{SideView, check_destinations, plane_end};
-use crate::error::{Error, Result, Side};
+use crate::error::{Error, Result};
 use crate::frame::{
     FLAG_CRC, FLAG_TRACE, FrameError, FrameKind, Header, TABLE_HEAD_LEN, TRACE_LEN, TableHead,
     TableManifest, TraceContext, decode_crcs, decode_manifest, decode_table, decode_trace,
 };
 use crate::handshake::{self, closed_or_io, read_header, send_error};
 use crate::op::Opcode;
-use crate::op::check_disjoint;
-use crate::region::{Lease, Location, RawRange};
 
 /// Largest refused payload we drain to keep a connection; past it we just close.
 const DISCARD_LIMIT: u64 = 1 << 32;
@@ -133,26 +130,6 @@ struct ServerConn {
     staging: Option<Staging>,
 }
 
-/// A manifest that passed every check: the leases keep the memory alive while we use it.
-struct Checked {
-    ranges: Vec<RawRange>,
-    /// Where each range lives.
-    locations: Vec<Location>,
-    /// The first GPU any range lives on: the chunk must be staged.
-    device: Option<u32>,
-    _leases: Vec<Lease>,
-}
-
-impl Checked {
-    fn spans(&self) -> Vec<Span> {
-        self.ranges
-            .iter()
-            .copied()
-            .zip(self.locations.iter().copied())
-            .collect()
-    }
-}
-
 impl ServerConn {
     fn serve_one(&mut self, s: &mut Out<'_>) -> Result<()> {
         let spin = self.target.config.spin_wait;
@@ -227,115 +204,17 @@ impl ServerConn {
         Ok(table?)
     }
 
-    /// A table manifest checked as `check` checks entries, but per plane: its region and key,
-    /// the bounds of its largest block id, staging; for writes, destinations apart. Then each
-    /// element's range, in element order.
-    fn check_table(&self, table: &TableManifest, writes: bool) -> Result<Checked> {
-        let blocks = table.blocks.len();
-        let max = table.blocks.iter().copied().max().unwrap_or(0);
-        let mut leases: Vec<Lease> = Vec::new();
-        let mut regions = Vec::with_capacity(table.planes.len());
-        let mut device = None;
-        for (i, p) in table.planes.iter().enumerate() {
-            let region = match leases.iter().find(|l| l.region().id() == p.region) {
-                Some(l) => {
-                    l.region().check_key(p.key, Side::Remote)?;
-                    l.region().clone()
-                }
-                None => {
-                    let lease = self
-                        .target
-                        .regions
-                        .lease_checked(p.region, p.key, Side::Remote)?;
-                    let r = lease.region().clone();
-                    leases.push(lease);
-                    r
-                }
-            };
-            if p.block_bytes == 0 {
-                return Err(Error::InvalidPlane {
-                    plane: i,
-                    field: "block_bytes",
-                    value: 0,
-                    reason: "blocks need at least one byte",
-                });
-            }
-            let end =
-                plane_end(p.base, p.stride, max, p.block_bytes).ok_or(Error::InvalidPlane {
-                    plane: i,
-                    field: "remote.stride",
-                    value: p.stride,
-                    reason: "base + largest block id × stride + block_bytes passes 2^64",
-                })?;
-            if end > region.len() {
-                return Err(Error::PlaneOutOfBounds {
-                    plane: i,
-                    side: Side::Remote,
-                    region: region.id(),
-                    block: max,
-                    offset: end - p.block_bytes,
-                    len: p.block_bytes,
-                    region_len: region.len(),
-                });
-            }
-            if let Some(d) = device_of(region.location()) {
-                if self.target.config.staging_bytes == 0 {
-                    return Err(Error::StagingNotConfigured {
-                        op: i * blocks,
-                        region: region.id(),
-                        location: region.location(),
-                        transport: TransportKind::Tcp,
-                    });
-                }
-                device = device.or(Some(d));
-            }
-            regions.push(region);
-        }
-        if writes {
-            let views: Vec<SideView> = table
-                .planes
-                .iter()
-                .map(|p| SideView {
-                    region: p.region,
-                    base: p.base,
-                    stride: p.stride,
-                    len: p.block_bytes,
-                })
-                .collect();
-            check_destinations(&views, blocks, |j| table.blocks[j], Side::Remote)?;
-        }
-        let n = table.planes.len() * blocks;
-        let (mut ranges, mut locations) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for (i, (p, region)) in table.planes.iter().zip(&regions).enumerate() {
-            for (j, &id) in table.blocks.iter().enumerate() {
-                // Exact: the largest id's block ends inside the region (checked above).
-                let offset = p.base + u64::from(id) * p.stride;
-                ranges.push(region.range(
-                    i * blocks + j,
-                    "remote_offset",
-                    offset,
-                    p.block_bytes,
-                )?);
-                locations.push(region.location());
-            }
-        }
-        Ok(Checked {
-            ranges,
-            locations,
-            device,
-            _leases: leases,
-        })
-    }
-
     /// The chunk's manifest, read and checked. The outer error leaves the stream out of step
     /// (the connection closes); the inner one refuses the chunk alone.
     fn manifest(&mut self, h: &Header, writes: bool) -> Result<Result<Checked>> {
+        let target = self.target.clone();
+        let (known, staging) = (&target.regions, target.config.staging_bytes);
         let checked = if matches!(h.kind, FrameKind::WriteTable | FrameKind::ReadTable) {
             let table = self.table(h)?;
-            self.check_table(&table, writes)
+            Checked::table(known, staging, &table, writes)
         } else {
             let entries = self.entries(h)?;
-            self.check(&entries, writes)
+            Checked::entries(known, staging, &entries, writes)
         };
         // A checked manifest whose GPU ranges cannot be staged is refused like a bad one.
         Ok(checked.and_then(|c| {
@@ -344,60 +223,6 @@ impl ServerConn {
             }
             Ok(c)
         }))
-    }
-
-    fn check(&self, entries: &[crate::frame::Entry], writes: bool) -> Result<Checked> {
-        let mut leases: Vec<Lease> = Vec::new();
-        let mut ranges = Vec::with_capacity(entries.len());
-        let mut locations = Vec::with_capacity(entries.len());
-        let mut device = None;
-        for (i, e) in entries.iter().enumerate() {
-            if e.len == 0 {
-                return Err(Error::ZeroLength { op: i });
-            }
-            let region = match leases.last() {
-                Some(l) if l.region().id() == e.region => {
-                    l.region().check_key(e.key, Side::Remote)?;
-                    l.region().clone()
-                }
-                _ => {
-                    let lease = self
-                        .target
-                        .regions
-                        .lease_checked(e.region, e.key, Side::Remote)?;
-                    let r = lease.region().clone();
-                    leases.push(lease);
-                    r
-                }
-            };
-            // A device pointer is no host address: a socket never reads or writes through it;
-            // its bytes go through the staging ring, or nowhere when staging is off.
-            if let Some(d) = device_of(region.location()) {
-                if self.target.config.staging_bytes == 0 {
-                    return Err(Error::StagingNotConfigured {
-                        op: i,
-                        region: region.id(),
-                        location: region.location(),
-                        transport: TransportKind::Tcp,
-                    });
-                }
-                device = device.or(Some(d));
-            }
-            ranges.push(region.range(i, "remote_offset", e.offset, e.len)?);
-            locations.push(region.location());
-        }
-        if writes {
-            check_disjoint(entries.len(), |i| {
-                let e = &entries[i];
-                (e.region, e.offset, e.len)
-            })?;
-        }
-        Ok(Checked {
-            ranges,
-            locations,
-            device,
-            _leases: leases,
-        })
     }
 
     /// The staging ring, made on first use (`NoCudaDriver` and friends when it cannot be).
