@@ -138,6 +138,39 @@ impl Planner {
     }
 }
 
+/// One tcp chunk as plain numbers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedChunk {
+    /// (caller's op, remote offset, remote length, local length) of each piece, in order.
+    pub pieces: Vec<(usize, u64, u64, u64)>,
+    pub bytes: u64,
+    /// The GPU the chunk is staged through, or None for host memory.
+    pub device: Option<u32>,
+    /// Where each piece's local bytes live.
+    pub devices: Vec<Option<u32>>,
+    /// (planes, blocks) of the table slice, for a chunk sent as a table manifest.
+    pub table: Option<(std::ops::Range<usize>, std::ops::Range<usize>)>,
+}
+
+/// Most entries in one tcp manifest.
+pub const MAX_CHUNK_ENTRIES: usize = crate::frame::MAX_ENTRIES as usize;
+
+/// The tcp link's cut of pieces into chunks of about `chunk_bytes`: piece `i` is
+/// `(remote offset, length, GPU or host)`.
+pub fn tcp_chunks(chunk_bytes: u64, pieces: &[(u64, u64, Option<u32>)]) -> Vec<PlannedChunk> {
+    crate::transport::tcp::fuzzing::chunks(chunk_bytes, pieces)
+}
+
+/// The tcp link's cut of a block table (plane `i`: `(block bytes, GPU or host)`) into
+/// table chunks; `None` when it goes as op manifests instead.
+pub fn tcp_table_chunks(
+    chunk_bytes: u64,
+    planes: &[(u64, Option<u32>)],
+    blocks: u32,
+) -> Option<Vec<PlannedChunk>> {
+    crate::transport::tcp::fuzzing::table_chunks(chunk_bytes, planes, blocks)
+}
+
 /// One range a target's checks passed, as plain numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Passed {

@@ -1108,6 +1108,147 @@ fn discard_reply(stream: &mut Inbox, h: &Header, scratch: &mut Vec<u8>) -> std::
     Ok(())
 }
 
+/// The link's chunk planners without connections, as plain numbers (cargo-fuzz target
+/// `chunks`): what a batch of any shape is cut into.
+#[cfg(feature = "fuzzing")]
+pub(crate) mod fuzzing {
+    use std::sync::Arc;
+
+    use super::{Chunk, TcpLink};
+    use crate::batch::Job;
+    use crate::block_table::{BlockPair, TableShape};
+    use crate::frame::{Entry, TablePlane};
+    use crate::fuzzing::PlannedChunk;
+    use crate::op::Opcode;
+    use crate::region::{AccessKey, Location, RawRange, RegionId};
+    use crate::transport::planned_table::{PlannedPlane, PlannedTable};
+    use crate::transport::{Piece, staging::device_of};
+
+    fn link(chunk_bytes: u64) -> TcpLink {
+        TcpLink {
+            conns: Vec::new(),
+            chunk_bytes: chunk_bytes.max(1),
+        }
+    }
+
+    fn job() -> Arc<Job> {
+        Job::new(1, Opcode::Write, false, None, Vec::new(), None)
+    }
+
+    fn plain(c: &Chunk) -> PlannedChunk {
+        PlannedChunk {
+            pieces: c
+                .pieces
+                .iter()
+                .map(|p| (p.op, p.remote.offset, p.remote.len, p.local.len as u64))
+                .collect(),
+            bytes: c.bytes,
+            device: c.device,
+            devices: c.pieces.iter().map(|p| device_of(p.location)).collect(),
+            table: c
+                .table
+                .as_ref()
+                .map(|t| (t.planes.clone(), t.blocks.clone())),
+        }
+    }
+
+    fn location(device: Option<u32>) -> Location {
+        match device {
+            Some(device) => Location::Cuda { device },
+            None => Location::Host { numa: None },
+        }
+    }
+
+    /// Piece `i`: `len` bytes at remote offset `offset`, on GPU `device` or the host; the local
+    /// side is one buffer, piece after piece.
+    pub(crate) fn chunks(
+        chunk_bytes: u64,
+        pieces: &[(u64, u64, Option<u32>)],
+    ) -> Vec<PlannedChunk> {
+        let total: u64 = pieces.iter().map(|p| p.1).sum();
+        let mut buf = vec![0u8; usize::try_from(total).expect("fits")];
+        let mut at = 0usize;
+        let planned = pieces
+            .iter()
+            .enumerate()
+            .map(|(op, &(offset, len, device))| {
+                // SAFETY: at + len <= buf.len(): the pieces' lengths add up to it.
+                let ptr = unsafe { buf.as_mut_ptr().add(at) };
+                at += len as usize;
+                Piece {
+                    local: RawRange {
+                        ptr,
+                        len: len as usize,
+                    },
+                    remote: Entry {
+                        region: RegionId(2),
+                        key: AccessKey(3),
+                        offset,
+                        len,
+                    },
+                    local_region: RegionId(1),
+                    local_offset: 0,
+                    op,
+                    location: location(device),
+                }
+            })
+            .collect();
+        link(chunk_bytes)
+            .chunks(&job(), planned)
+            .iter()
+            .map(plain)
+            .collect()
+    }
+
+    /// A block table of planes of `lens[i]` bytes per block (plane `i` on GPU `devices[i]` or
+    /// the host) and `blocks` blocks; `None` when the link hands it back to go as op manifests.
+    pub(crate) fn table_chunks(
+        chunk_bytes: u64,
+        planes: &[(u64, Option<u32>)],
+        blocks: u32,
+    ) -> Option<Vec<PlannedChunk>> {
+        let mut buf = [0u8; 1];
+        let table = PlannedTable {
+            planes: planes
+                .iter()
+                .enumerate()
+                .map(|(i, &(len, device))| PlannedPlane {
+                    local: RawRange {
+                        ptr: buf.as_mut_ptr(),
+                        len: 1,
+                    },
+                    local_region: RegionId(1),
+                    local_base: 0,
+                    local_stride: 0,
+                    location: location(device),
+                    remote: TablePlane {
+                        region: RegionId(2),
+                        key: AccessKey(3),
+                        base: i as u64 * (1 << 40),
+                        stride: len,
+                        block_bytes: len,
+                    },
+                })
+                .collect(),
+            blocks: (0..blocks)
+                .map(|j| BlockPair {
+                    local: 0,
+                    remote: j,
+                })
+                .collect(),
+            shape: TableShape {
+                max_local: 0,
+                max_remote: blocks.saturating_sub(1),
+            },
+            bytes: planes.iter().map(|p| p.0).sum::<u64>() * u64::from(blocks),
+        };
+        link(chunk_bytes)
+            .table_chunks(&job(), table)
+            .ok()
+            .map(|chunks| chunks.iter().map(plain).collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
