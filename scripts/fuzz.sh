@@ -3,7 +3,8 @@
 #   scripts/fuzz.sh [SECONDS]   (default 60)
 # Targets: frame (wire decoder, handshake frames), ops (op::validate + coalescing), plan (the
 # batch planner, then the rdma and cuda-ipc planners), serve (the tcp target's checks of a peer's
-# manifests and block tables), chunks (the tcp link's cut of a batch into chunks).
+# manifests and block tables), chunks (the tcp link's cut of a batch into chunks), authority
+# (the local API's HTTP/2 :authority rewriter).
 # Installs cargo-fuzz when missing.
 # cargo-fuzz needs nightly-only compiler flags; on the stable toolchain RUSTC_BOOTSTRAP=1 enables
 # them for this build only. fuzz/seeds/<target>/ holds committed inputs (real frames, inputs that
