@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command. On a fresh Debian machine it installs what the checks need, then runs
-# formatting, lints, the frame-decoder fuzzer (bounded), the Helm chart checks, and every test.
-#   KVFABRIC_FUZZ_SECS  fuzzing time (default 60)
+# formatting, lints, the fuzz targets (bounded), the Helm chart checks, and every test.
+#   KVFABRIC_FUZZ_SECS  fuzzing time, split over the targets (default 90)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,8 +36,8 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy -p kvfabric-engine --all-targets --features cuda,rdma -- -D warnings
 cargo clippy -p kvfabric-cli --features rdma -- -D warnings
-phase "fuzz: frames, op validation, planners"
-scripts/fuzz.sh "${KVFABRIC_FUZZ_SECS:-60}"
+phase "fuzz: frames, op validation, planners, the target's checks, chunks, :authority"
+scripts/fuzz.sh "${KVFABRIC_FUZZ_SECS:-90}"
 phase "helm: lint, render, strict parse and Kubernetes 1.29/1.35 schemas of every manifest"
 scripts/helm-check.sh
 phase "tests"
