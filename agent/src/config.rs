@@ -126,6 +126,12 @@ pub struct AgentArgs {
     #[arg(long, env = env::ADVERTISE_ADDR)]
     pub advertise_addr: Option<IpAddr>,
 
+    /// The pod's IP, from the downward API (the operator sets it): the advertised address when
+    /// none is given. Read here, with every other setting, not where it is used.
+    /// Empty counts as unset (a pod without an IP yet).
+    #[arg(long, env = env::POD_IP, hide = true)]
+    pub pod_ip: Option<String>,
+
     /// Binds the listen addresses left unspecified (0.0.0.0 or ::) to this IP instead. The
     /// operator sets the pod IP: with `hostNetwork` the ports are then open on that interface
     /// only, not on every address of the node.
@@ -261,6 +267,16 @@ impl AgentArgs {
     /// Checks every setting and resolves defaults that depend on the environment (the name from
     /// `$NODE_NAME`, trace settings from `OTEL_*`).
     pub fn validate(self) -> Result<AgentConfig> {
+        let pod_ip = match self.pod_ip.as_deref().filter(|ip| !ip.is_empty()) {
+            None => None,
+            Some(ip) => Some(ip.parse::<IpAddr>().map_err(|_| {
+                Error::config(
+                    "pod-ip",
+                    ip,
+                    "must be an IP address (the pod's status.podIP)",
+                )
+            })?),
+        };
         if self.transports.is_empty() {
             return Err(Error::config("transports", "", "name at least one"));
         }
@@ -345,7 +361,7 @@ impl AgentArgs {
             grpc_addr: on_listen_ip(self.grpc_addr, self.listen_ip),
             data_addr: on_listen_ip(self.data_addr, self.listen_ip),
             metrics_addr: on_listen_ip(self.metrics_addr, self.listen_ip),
-            advertise_addr: self.advertise_addr,
+            advertise_addr: self.advertise_addr.or(pod_ip),
             transports: self.transports,
             tcp_connections: self.tcp_connections,
             tcp_buffer: self.tcp_buffer,
@@ -654,6 +670,17 @@ mod tests {
         let c = validate(&["--listen-ip", "fd00::7", "--grpc-addr", "[::]:1"]).unwrap();
         assert_eq!(c.grpc_addr.to_string(), "[fd00::7]:1");
         assert!(Cli::try_parse_from(["agent", "--listen-ip", "pod"]).is_err());
+    }
+
+    #[test]
+    fn the_pod_ip_is_advertised_unless_an_address_is_given() {
+        assert_eq!(validate(&[]).unwrap().advertise_addr, None);
+        let c = validate(&["--pod-ip", "10.0.0.9"]).unwrap();
+        assert_eq!(c.advertise_addr, Some("10.0.0.9".parse().unwrap()));
+        let c = validate(&["--pod-ip", "10.0.0.9", "--advertise-addr", "192.168.1.5"]).unwrap();
+        assert_eq!(c.advertise_addr, Some("192.168.1.5".parse().unwrap()));
+        assert_eq!(validate(&["--pod-ip", ""]).unwrap().advertise_addr, None);
+        assert_eq!(field(validate(&["--pod-ip", "pod"])).0, "pod-ip");
     }
 
     #[test]

@@ -199,12 +199,6 @@ fn grpc_server() -> Server {
 fn advertise(config: &AgentConfig, devices: &discovery::Devices) -> IpAddr {
     config
         .advertise_addr
-        .or_else(|| {
-            std::env::var(kvfabric_proto::contract::env::POD_IP)
-                .ok()?
-                .parse()
-                .ok()
-        })
         .or_else(|| (!config.data_addr.ip().is_unspecified()).then(|| config.data_addr.ip()))
         .or_else(|| devices.addresses.first().map(|a| a.ip))
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
