@@ -22,6 +22,7 @@ use crate::region::{AccessKey, Lease, Location, Region, RegionId};
 use crate::region_table::RegionTable;
 use crate::segment::{DESCRIPTOR_VERSION, Endpoints, RegionDesc, SegmentDescriptor};
 use crate::transport::planned_table::PlannedPlane;
+use crate::transport::route::Route;
 use crate::transport::select::{Local, NO_EXCHANGE, Preference, Selection, select_for};
 use crate::transport::shm::ShmLink;
 use crate::transport::target::Target;
@@ -405,10 +406,10 @@ impl Engine {
             reason = %selection.reason,
             "transport selected"
         );
+        let route = Route::new(selection.kind, remote, rdma)?;
         let inner = self.inner.clone();
         let remote = remote.clone();
         let secret = secret.clone();
-        let kind = selection.kind;
         let (link, descriptor) = tokio::task::spawn_blocking(move || {
             let creds = Credentials {
                 secret: &secret,
@@ -416,12 +417,8 @@ impl Engine {
                 key: segment_key,
                 from: &inner.config.name,
             };
-            let pair: (Box<dyn Transport>, Option<SegmentDescriptor>) = match kind {
-                TransportKind::Tcp => {
-                    let addr = remote
-                        .endpoints
-                        .tcp
-                        .expect("selection checked tcp endpoint");
+            let pair: (Box<dyn Transport>, Option<SegmentDescriptor>) = match route {
+                Route::Tcp(addr) => {
                     let opts = TcpOptions {
                         connections: inner.config.tcp_connections,
                         buffer: inner.config.tcp_buffer,
@@ -434,8 +431,7 @@ impl Engine {
                     let (link, d) = TcpLink::connect(addr, creds, opts)?;
                     (Box::new(link), d)
                 }
-                TransportKind::Shm => {
-                    let path = remote.endpoints.shm.clone().expect("selection checked shm");
+                Route::Shm(path) => {
                     let (link, d) = ShmLink::connect(
                         &path,
                         creds,
@@ -446,7 +442,7 @@ impl Engine {
                     (Box::new(link), d)
                 }
                 #[cfg(feature = "cuda")]
-                TransportKind::CudaIpc => {
+                Route::CudaIpc => {
                     let c = &inner.config;
                     let lane = crate::cuda::lane::LaneOptions {
                         spin: c.cuda_spin,
@@ -462,27 +458,17 @@ impl Engine {
                     (Box::new(link), None)
                 }
                 #[cfg(feature = "rdma")]
-                TransportKind::Rdma => {
+                Route::Rdma(exchange) => {
                     let rt = inner
                         .rdma()
                         .map_err(|reason| Error::NoRdmaDevice { reason })?
                         .clone();
-                    let exchange = rdma.expect("selection checked the exchange");
                     let link = crate::transport::rdma::RdmaLink::connect(rt, &remote, exchange)?;
                     (Box::new(link), None)
                 }
-                // Reached in builds without `cuda` or `rdma`; selection refuses those first.
-                #[allow(unreachable_patterns)]
-                other => {
-                    return Err(Error::TransportUnavailable {
-                        transport: other,
-                        segment: remote.name.clone(),
-                        reason: "not built into this engine".into(),
-                    });
-                }
             };
             let (link, told) = pair;
-            Ok((link, told.unwrap_or(remote)))
+            Ok::<_, Error>((link, told.unwrap_or(remote)))
         })
         .await
         .map_err(|e| Error::io("connect task", std::io::Error::other(e)))??;

@@ -24,6 +24,7 @@ pub(crate) mod listener;
 pub(crate) mod planned_table;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
+pub(crate) mod route;
 pub mod select;
 pub(crate) mod shm;
 pub(crate) mod shm_server;
