@@ -204,6 +204,62 @@ fn advertise(config: &AgentConfig, devices: &discovery::Devices) -> IpAddr {
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }
 
+/// The embedded engine's settings, from the agent's.
+fn engine_config(config: &AgentConfig, observer: Arc<ServedSpans>) -> EngineConfig {
+    EngineConfig {
+        name: format!("agent-{}", config.name),
+        observer: Some(observer),
+        tcp_connections: config.tcp_connections,
+        tcp_buffer: config.tcp_buffer,
+        tls: config
+            .tls
+            .as_ref()
+            .filter(|_| config.tls_data_port)
+            .map(|t| t.data.clone()),
+        batch_timeout: config.batch_timeout,
+        max_batch_ops: config.max_batch_ops,
+        cuda_path: config.cuda_path,
+        // RDMA only where it is an allowed transport: otherwise no memory is pinned for it.
+        rdma: RdmaConfig {
+            enabled: config.transports.contains(&TransportKind::Rdma),
+            devices: config.rdma_devices.clone(),
+            gid: config.rdma_gid_index,
+            qps_per_peer: config.rdma_qps_per_peer,
+            ..RdmaConfig::default()
+        },
+        ..EngineConfig::default()
+    }
+}
+
+/// What the node (the APIs' shared state) needs of the agent's settings.
+fn node_config(config: &AgentConfig, advertise: IpAddr) -> NodeConfig {
+    NodeConfig {
+        name: config.name.clone(),
+        fabric: config.fabric.clone(),
+        pool: config.pool.clone(),
+        transports: config.transports.clone(),
+        advertise,
+        batch_timeout: config.batch_timeout,
+        max_batch_ops: config.max_batch_ops,
+        connect_timeout: config.connect_timeout,
+        peer_token: config.peer_token.clone(),
+        tls: config.tls.clone().map(Arc::new),
+    }
+}
+
+/// Holds end at their expiry even when nothing else touches them: the table (and the grants
+/// this agent keeps) stay bounded, and the metrics count them.
+async fn sweep_holds(node: Arc<Node>, stop: impl std::future::Future<Output = ()>) {
+    tokio::pin!(stop);
+    let mut every = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = every.tick() => node.sweep_holds(),
+            () = &mut stop => return,
+        }
+    }
+}
+
 impl Agent {
     /// Starts serving on `listeners` and publishes the agent in `registry`; returns once both
     /// are done (what `ready()` then says is true).
@@ -223,34 +279,13 @@ impl Agent {
         if config.tls.is_some() && config.tls_data_port {
             info!(records = %kvfabric_engine::RecordLayer::probe().describe(), "tcp data port TLS");
         }
-        let engine = Engine::new(EngineConfig {
-            name: format!("agent-{name}"),
-            observer: Some(Arc::new(ServedSpans {
-                agent: name.clone(),
-                tracing: telemetry.tracing_enabled(),
-                metrics: metrics.clone(),
-                last: served.clone(),
-            })),
-            tcp_connections: config.tcp_connections,
-            tcp_buffer: config.tcp_buffer,
-            tls: config
-                .tls
-                .as_ref()
-                .filter(|_| config.tls_data_port)
-                .map(|t| t.data.clone()),
-            batch_timeout: config.batch_timeout,
-            max_batch_ops: config.max_batch_ops,
-            cuda_path: config.cuda_path,
-            // RDMA only where it is an allowed transport: otherwise no memory is pinned for it.
-            rdma: RdmaConfig {
-                enabled: config.transports.contains(&TransportKind::Rdma),
-                devices: config.rdma_devices.clone(),
-                gid: config.rdma_gid_index,
-                qps_per_peer: config.rdma_qps_per_peer,
-                ..RdmaConfig::default()
-            },
-            ..EngineConfig::default()
-        })?;
+        let observer = Arc::new(ServedSpans {
+            agent: name.clone(),
+            tracing: telemetry.tracing_enabled(),
+            metrics: metrics.clone(),
+            last: served.clone(),
+        });
+        let engine = Engine::new(engine_config(&config, observer))?;
         let local_addr = |l: &TcpListener, what: &str| {
             l.local_addr()
                 .map_err(|e| Error::io(format!("{what} listener address"), e))
@@ -267,18 +302,7 @@ impl Agent {
             peer_local.port(),
         );
         let node = Node::new(
-            NodeConfig {
-                name: name.clone(),
-                fabric: config.fabric.clone(),
-                pool: config.pool.clone(),
-                transports: config.transports.clone(),
-                advertise,
-                batch_timeout: config.batch_timeout,
-                max_batch_ops: config.max_batch_ops,
-                connect_timeout: config.connect_timeout,
-                peer_token: config.peer_token.clone(),
-                tls: config.tls.clone().map(Arc::new),
-            },
+            node_config(&config, advertise),
             engine.clone(),
             registry.clone(),
             metrics.clone(),
@@ -376,21 +400,7 @@ impl Agent {
             .with_graceful_shutdown(stopped(data_rx.clone()))
             .into_future(),
         );
-        // Holds end at their expiry even when nothing else touches them: the table (and the
-        // grants this agent keeps) stay bounded, and the metrics count them.
-        let sweep_task = tokio::spawn({
-            let (node, stop) = (node.clone(), stopped(api_rx.clone()));
-            async move {
-                tokio::pin!(stop);
-                let mut every = tokio::time::interval(Duration::from_secs(1));
-                loop {
-                    tokio::select! {
-                        _ = every.tick() => node.sweep_holds(),
-                        () = &mut stop => return,
-                    }
-                }
-            }
-        });
+        let sweep_task = tokio::spawn(sweep_holds(node.clone(), stopped(api_rx.clone())));
         let fd_task = tokio::spawn(crate::fd_socket::serve(
             listeners.fd,
             node.clone(),
