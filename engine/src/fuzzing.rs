@@ -31,6 +31,15 @@ impl Transport for Unconnected {
     }
 }
 
+/// An engine with one shm thread: the fuzz targets plan and check, they move nothing.
+fn small_engine(name: &str) -> Result<Engine> {
+    Engine::new(EngineConfig {
+        name: name.into(),
+        shm_threads: 1,
+        ..EngineConfig::default()
+    })
+}
+
 /// One planned piece, as plain numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Planned {
@@ -52,11 +61,7 @@ pub struct Planner {
 impl Planner {
     /// Remote region `i` gets id `i + 1`; one peer per transport kind in `kinds`.
     pub fn new(local_lens: &[u64], remote_lens: &[u64], kinds: &[TransportKind]) -> Result<Self> {
-        let engine = Engine::new(EngineConfig {
-            name: "fuzz".into(),
-            shm_threads: 1,
-            ..EngineConfig::default()
-        })?;
+        let engine = small_engine("fuzz")?;
         let locals = local_lens
             .iter()
             .map(|&len| engine.alloc(len))
@@ -189,11 +194,7 @@ pub struct Served {
 
 impl Served {
     pub fn new(lens: &[u64]) -> Result<Self> {
-        let engine = Engine::new(EngineConfig {
-            name: "fuzz-target".into(),
-            shm_threads: 1,
-            ..EngineConfig::default()
-        })?;
+        let engine = small_engine("fuzz-target")?;
         let regions = lens
             .iter()
             .map(|&len| engine.alloc(len))

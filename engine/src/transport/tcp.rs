@@ -1108,6 +1108,60 @@ fn discard_reply(stream: &mut Inbox, h: &Header, scratch: &mut Vec<u8>) -> std::
     Ok(())
 }
 
+/// GPU `device`, or the host.
+#[cfg(any(test, feature = "fuzzing"))]
+fn location(device: Option<u32>) -> crate::region::Location {
+    match device {
+        Some(device) => crate::region::Location::Cuda { device },
+        None => crate::region::Location::Host { numa: None },
+    }
+}
+
+/// A planned block table of planes of `planes[i].0` bytes per block (on GPU `planes[i].1` or
+/// the host) and blocks `0..blocks`, its local side all in `buf`: for the chunk planners' tests
+/// and fuzz target.
+#[cfg(any(test, feature = "fuzzing"))]
+fn planned_table(planes: &[(u64, Option<u32>)], blocks: u32, buf: &mut [u8]) -> PlannedTable {
+    use crate::block_table::{BlockPair, TableShape};
+    use crate::frame::TablePlane;
+    use crate::region::{AccessKey, RawRange, RegionId};
+    use crate::transport::planned_table::PlannedPlane;
+    PlannedTable {
+        planes: planes
+            .iter()
+            .enumerate()
+            .map(|(i, &(len, device))| PlannedPlane {
+                local: RawRange {
+                    ptr: buf.as_mut_ptr(),
+                    len: buf.len(),
+                },
+                local_region: RegionId(1),
+                local_base: 0,
+                local_stride: 0,
+                location: location(device),
+                remote: TablePlane {
+                    region: RegionId(2),
+                    key: AccessKey(3),
+                    base: i as u64 * (1 << 40),
+                    stride: len,
+                    block_bytes: len,
+                },
+            })
+            .collect(),
+        blocks: (0..blocks)
+            .map(|j| BlockPair {
+                local: 0,
+                remote: j,
+            })
+            .collect(),
+        shape: TableShape {
+            max_local: 0,
+            max_remote: blocks.saturating_sub(1),
+        },
+        bytes: planes.iter().map(|p| p.0).sum::<u64>() * u64::from(blocks),
+    }
+}
+
 /// The link's chunk planners without connections, as plain numbers (cargo-fuzz target
 /// `chunks`): what a batch of any shape is cut into.
 #[cfg(feature = "fuzzing")]
@@ -1116,12 +1170,10 @@ pub(crate) mod fuzzing {
 
     use super::{Chunk, TcpLink};
     use crate::batch::Job;
-    use crate::block_table::{BlockPair, TableShape};
-    use crate::frame::{Entry, TablePlane};
+    use crate::frame::Entry;
     use crate::fuzzing::PlannedChunk;
     use crate::op::Opcode;
-    use crate::region::{AccessKey, Location, RawRange, RegionId};
-    use crate::transport::planned_table::{PlannedPlane, PlannedTable};
+    use crate::region::{AccessKey, RawRange, RegionId};
     use crate::transport::{Piece, staging::device_of};
 
     fn link(chunk_bytes: u64) -> TcpLink {
@@ -1149,13 +1201,6 @@ pub(crate) mod fuzzing {
                 .table
                 .as_ref()
                 .map(|t| (t.planes.clone(), t.blocks.clone())),
-        }
-    }
-
-    fn location(device: Option<u32>) -> Location {
-        match device {
-            Some(device) => Location::Cuda { device },
-            None => Location::Host { numa: None },
         }
     }
 
@@ -1189,7 +1234,7 @@ pub(crate) mod fuzzing {
                     local_region: RegionId(1),
                     local_offset: 0,
                     op,
-                    location: location(device),
+                    location: super::location(device),
                 }
             })
             .collect();
@@ -1208,40 +1253,7 @@ pub(crate) mod fuzzing {
         blocks: u32,
     ) -> Option<Vec<PlannedChunk>> {
         let mut buf = [0u8; 1];
-        let table = PlannedTable {
-            planes: planes
-                .iter()
-                .enumerate()
-                .map(|(i, &(len, device))| PlannedPlane {
-                    local: RawRange {
-                        ptr: buf.as_mut_ptr(),
-                        len: 1,
-                    },
-                    local_region: RegionId(1),
-                    local_base: 0,
-                    local_stride: 0,
-                    location: location(device),
-                    remote: TablePlane {
-                        region: RegionId(2),
-                        key: AccessKey(3),
-                        base: i as u64 * (1 << 40),
-                        stride: len,
-                        block_bytes: len,
-                    },
-                })
-                .collect(),
-            blocks: (0..blocks)
-                .map(|j| BlockPair {
-                    local: 0,
-                    remote: j,
-                })
-                .collect(),
-            shape: TableShape {
-                max_local: 0,
-                max_remote: blocks.saturating_sub(1),
-            },
-            bytes: planes.iter().map(|p| p.0).sum::<u64>() * u64::from(blocks),
-        };
+        let table = super::planned_table(planes, blocks, &mut buf);
         link(chunk_bytes)
             .table_chunks(&job(), table)
             .ok()
@@ -1284,46 +1296,9 @@ mod tests {
         assert_eq!(a.buffer(), b"x", "read ahead by the polling window");
     }
 
-    use crate::block_table::{BlockPair, TableShape};
-    use crate::region::{AccessKey, Location, RawRange, RegionId};
-    use crate::transport::planned_table::PlannedPlane;
-
     fn table(lens: &[u64], blocks: u32, buf: &mut [u8]) -> PlannedTable {
-        let planes = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &len)| PlannedPlane {
-                local: RawRange {
-                    ptr: buf.as_mut_ptr(),
-                    len: buf.len(),
-                },
-                local_region: RegionId(1),
-                local_base: 0,
-                local_stride: 0,
-                location: Location::Host { numa: None },
-                remote: TablePlane {
-                    region: RegionId(2),
-                    key: AccessKey(3),
-                    base: i as u64 * 1_000_000,
-                    stride: len,
-                    block_bytes: len,
-                },
-            })
-            .collect();
-        PlannedTable {
-            planes,
-            blocks: (0..blocks)
-                .map(|j| BlockPair {
-                    local: 0,
-                    remote: j,
-                })
-                .collect(),
-            shape: TableShape {
-                max_local: 0,
-                max_remote: blocks - 1,
-            },
-            bytes: lens.iter().sum::<u64>() * u64::from(blocks),
-        }
+        let planes: Vec<(u64, Option<u32>)> = lens.iter().map(|&len| (len, None)).collect();
+        planned_table(&planes, blocks, buf)
     }
 
     /// Table chunks cover every element once, in element order within each chunk, each no
