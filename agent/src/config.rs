@@ -512,14 +512,7 @@ fn default_name() -> String {
 
 /// Fabric and namespace names become etcd key segments and socket paths: DNS labels only.
 fn check_dns_label(field: &'static str, value: &str) -> Result<()> {
-    let ok = !value.is_empty()
-        && value.len() <= 63
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !value.starts_with('-')
-        && !value.ends_with('-');
-    if ok {
+    if kvfabric_proto::contract::is_dns_label(value) {
         Ok(())
     } else {
         Err(Error::config(

@@ -11,16 +11,7 @@ use crate::{Error, GpuMode, MAX_KEY_PREFIX, Result, TransferFabricSpec, Transpor
 /// Longest pool name: `<fabric>-<pool>-agent` must stay a valid object name and label value.
 pub const MAX_POOL_NAME: usize = 40;
 
-fn is_dns_label(s: &str) -> bool {
-    let bytes = s.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= 63
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
-        && bytes[0] != b'-'
-        && bytes[bytes.len() - 1] != b'-'
-}
+use kvfabric_proto::contract::is_dns_label;
 
 /// Longest fabric name: `<fabric>-agents`, the agents' Service, is a DNS-1035 label (≤ 63).
 pub const MAX_FABRIC_NAME: usize = 56;

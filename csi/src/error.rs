@@ -2,9 +2,6 @@
 
 use rustix::io::Errno;
 
-/// Longest value an error repeats back (the kubelet logs it; a pod chose most of them).
-const SHOWN: usize = 96;
-
 /// What went wrong, by kind.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -61,7 +58,8 @@ impl Error {
     pub(crate) fn invalid(field: &'static str, value: &str, reason: &'static str) -> Self {
         Error::Invalid {
             field,
-            value: truncate(value),
+            // The kubelet logs it, and a pod chose most of the values: cut as every echo is.
+            value: kvfabric_proto::limits::echo(value),
             reason,
         }
     }
@@ -74,13 +72,6 @@ impl Error {
     pub(crate) fn mount(action: impl Into<String>) -> impl FnOnce(Errno) -> Error {
         let action = action.into();
         move |source| Error::Mount { action, source }
-    }
-}
-
-fn truncate(value: &str) -> String {
-    match value.char_indices().nth(SHOWN) {
-        Some((at, _)) => format!("{}…", &value[..at]),
-        None => value.to_owned(),
     }
 }
 

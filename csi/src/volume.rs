@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use kvfabric_proto::contract::csi;
+use kvfabric_proto::contract::{csi, is_dns_label};
 
 use crate::pb::csi::NodePublishVolumeRequest;
 use crate::pb::csi::volume_capability::AccessType;
@@ -27,16 +27,6 @@ pub struct Volume {
     pub dir: PathBuf,
     /// Mounted read-only (a worker's `readOnly: true`; the agent's volume is read-write).
     pub readonly: bool,
-}
-
-/// Lower-case alphanumerics and '-', starting and ending alphanumeric, 1–63 characters: what
-/// Kubernetes requires of namespace, fabric and pool names, and never `.`, `..` or a `/`.
-fn is_dns_label(s: &str) -> bool {
-    (1..=63).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
 }
 
 /// A volume id, as the kubelet makes them: a file name of ASCII letters, digits, '.', '_' and

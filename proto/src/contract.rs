@@ -194,6 +194,17 @@ pub mod csi {
 /// Default registry key prefix.
 pub const DEFAULT_KEY_PREFIX: &str = "/kvfabric";
 
+/// A DNS label (RFC 1123): 1–63 of `[a-z0-9-]`, not starting or ending with '-'. What Kubernetes
+/// requires of namespace, fabric and pool names, which become etcd key segments and socket
+/// directory names here, so never `.`, `..` or a `/`.
+pub fn is_dns_label(s: &str) -> bool {
+    (1..=63).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
 /// Namespace of a fabric whose agent is not told one (an agent run outside Kubernetes).
 pub const DEFAULT_NAMESPACE: &str = "default";
 
