@@ -18,6 +18,7 @@ What it lists, and where each fact comes from:
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import re
@@ -48,8 +49,10 @@ def cargo(*args: str) -> str:
     ).stdout
 
 
-def linked_crates(tree_args: str) -> list[tuple[str, str]]:
-    """(name, version) of every crate in the binary's normal dependency tree."""
+@functools.cache
+def linked_crates(tree_args: str) -> tuple[tuple[str, str], ...]:
+    """(name, version) of every crate in the binary's normal dependency tree; binaries of one
+    package (kvfabric-operator and kvfabric-socket-dir) ask once."""
     out = cargo("tree", "--locked", "-e", "normal", "--prefix", "none",
                 "-f", "{p}", *shlex.split(tree_args))
     seen: dict[tuple[str, str], None] = {}
@@ -57,7 +60,7 @@ def linked_crates(tree_args: str) -> list[tuple[str, str]]:
         parts = line.split()
         if len(parts) >= 2 and parts[1].startswith("v"):
             seen[(parts[0], parts[1][1:])] = None
-    return list(seen)
+    return tuple(seen)
 
 
 def debian_packages(rootfs: Path) -> list[dict[str, str]]:

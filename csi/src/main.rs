@@ -38,9 +38,8 @@ async fn main() -> ExitCode {
         tracing::info!(csi = %csi_path.display(), registration = %registration_path.display(), "serving");
         serve(
             node,
-            (csi, csi_path.clone()),
+            (csi, csi_path),
             (registration, registration_path),
-            csi_path,
             kvfabric_rt::shutdown::signal(),
         )
         .await

@@ -11,9 +11,11 @@ use crate::{Error, Result};
 /// Whether `path` is a mount point in this process's mount namespace (the
 /// `/proc/self/mountinfo` entries, their octal escapes undone).
 pub fn is_mount_point(path: &Path) -> Result<bool> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo")
-        .map_err(Error::io("read /proc/self/mountinfo"))?;
-    Ok(mount_points(&info).any(|p| Path::new(&p) == path))
+    Ok(mount_points(&mountinfo()?).any(|p| Path::new(&p) == path))
+}
+
+fn mountinfo() -> Result<String> {
+    std::fs::read_to_string("/proc/self/mountinfo").map_err(Error::io("read /proc/self/mountinfo"))
 }
 
 /// The mount points (fifth field) of a mountinfo text.
@@ -86,9 +88,7 @@ pub fn unbind(target: &Path) -> Result<()> {
 /// Detaches every mount at or below `dir`, deepest first, and says how many: for tests and
 /// tools that clean up after the driver (which itself unmounts one target at a time).
 pub fn detach_under(dir: &Path) -> Result<usize> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo")
-        .map_err(Error::io("read /proc/self/mountinfo"))?;
-    let mut points: Vec<String> = mount_points(&info)
+    let mut points: Vec<String> = mount_points(&mountinfo()?)
         .filter(|p| Path::new(p).starts_with(dir))
         .collect();
     points.sort_by_key(|p| std::cmp::Reverse(p.len()));

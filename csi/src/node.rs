@@ -31,10 +31,6 @@ struct Inner {
 impl Node {
     /// Opens the state directory in the socket root.
     pub fn open(config: Config) -> Result<Self> {
-        std::fs::create_dir_all(&config.socket_root).map_err(Error::io(format!(
-            "create {}",
-            config.socket_root.display()
-        )))?;
         let ledger = Ledger::open(&config.socket_root)?;
         tracing::info!(volumes = ledger.len(), root = %config.socket_root.display(), "state read");
         Ok(Node {
@@ -72,6 +68,16 @@ impl Node {
             }
             None => {}
         }
+        // The target first: a refused one leaves no socket directory behind.
+        std::fs::create_dir_all(&v.target)
+            .map_err(Error::io(format!("create {}", v.target.display())))?;
+        if mounts::is_mount_point(&v.target)? {
+            return Err(Error::invalid(
+                "target_path",
+                &v.target.display().to_string(),
+                "is a mount point of another volume",
+            ));
+        }
         let source = config.socket_root.join(&v.dir);
         std::fs::create_dir_all(&source)
             .map_err(Error::io(format!("create {}", source.display())))?;
@@ -82,15 +88,6 @@ impl Node {
                 "volume_context[pool]",
                 &source.display().to_string(),
                 "the socket directory is not a directory (a symlink is never followed)",
-            ));
-        }
-        std::fs::create_dir_all(&v.target)
-            .map_err(Error::io(format!("create {}", v.target.display())))?;
-        if mounts::is_mount_point(&v.target)? {
-            return Err(Error::invalid(
-                "target_path",
-                &v.target.display().to_string(),
-                "is a mount point of another volume",
             ));
         }
         ledger.record(v.clone())?;
@@ -141,19 +138,6 @@ impl Node {
             tracing::info!(volume = %id, dir = %v.dir.display(), "unpublished");
         }
         Ok(())
-    }
-
-    /// How many volumes are published now.
-    pub fn published(&self) -> usize {
-        self.inner
-            .ledger
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
-    }
-
-    pub fn config(&self) -> &Config {
-        &self.inner.config
     }
 }
 

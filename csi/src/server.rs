@@ -44,17 +44,16 @@ fn served(socket: &Path) -> impl FnOnce(tonic::transport::Error) -> Error {
     move |source| Error::Serve { socket, source }
 }
 
-/// Serves the CSI API on `csi` and the registration API on `registration` until `shutdown`
-/// resolves, or until the kubelet refuses the registration (an error). `endpoint` is the CSI
-/// socket's path as the kubelet sees it.
+/// Serves the CSI API on `csi` and the registration API on `registration` (each a listener and
+/// its path, the same on the node: the kubelet is told the CSI socket's) until `shutdown`
+/// resolves, or until the kubelet refuses the registration (an error).
 pub async fn serve(
     node: Node,
     csi: (UnixListener, PathBuf),
     registration: (UnixListener, PathBuf),
-    endpoint: PathBuf,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
-    let (service, mut heard) = Registration::new(endpoint);
+    let (service, mut heard) = Registration::new(csi.1.clone());
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;

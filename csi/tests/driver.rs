@@ -64,7 +64,6 @@ impl Driver {
             node,
             (csi_listener, csi.clone()),
             (reg_listener, registration.clone()),
-            csi.clone(),
             async move {
                 let _ = stopped.await;
             },
@@ -185,6 +184,23 @@ async fn an_agents_socket_reaches_its_workers_and_no_other_namespace() {
         .await
         .expect_err("one target per id");
     assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    // Another volume onto a target in use: refused, and no socket directory made for it.
+    let e = node
+        .node_publish_volume(publish(
+            &d,
+            "csi-late",
+            "worker",
+            "elsewhere",
+            "prefill",
+            true,
+        ))
+        .await
+        .expect_err("the target is mounted");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(
+        !d.root().join("elsewhere").exists(),
+        "a refused target left a directory"
+    );
 
     // The agent binds its socket in its own volume; the worker dials it through its own.
     let socket = d.target("agent").join("local.sock");
