@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -276,9 +277,11 @@ def test_a_decode_queued_past_the_lease_keeps_the_hold_alive(pd):
     decode = pd["decode"]
     wait_free(decode)
     # Five long requests sent to the decode directly fill its KV cache (970 of its 1024
-    # blocks) and keep it full while they decode; the hand-over (63 blocks) waits behind them.
+    # blocks) and keep it full; the hand-over (63 blocks) waits behind them until they hang
+    # up, past the lease (the time they would take to finish is the machine's).
+    hang_up = threading.Event()
     blockers = [
-        decode.abandon(prompt(6200, 5000 + i), 1500, None, 300) for i in range(5)
+        decode.abandon(prompt(6200, 5000 + i), 1900, None, 300, hang_up) for i in range(5)
     ]  # fmt: skip
     deadline = time.monotonic() + 120
     while decode.metric("vllm:num_requests_running") < len(blockers):
@@ -288,7 +291,13 @@ def test_a_decode_queued_past_the_lease_keeps_the_hold_alive(pd):
     params = prefill(pd["prefill"], p)
     t0 = time.monotonic()
     before = decode.metric(HITS)
-    out = decode.complete(p, NEW_TOKENS, params, timeout=300)
+    timer = threading.Timer(LEASE_S + 4, hang_up.set)
+    timer.start()
+    try:
+        out = decode.complete(p, NEW_TOKENS, params, timeout=300)
+    finally:
+        timer.cancel()
+        hang_up.set()
     waited = time.monotonic() - t0
     for t in blockers:
         t.join(300)

@@ -32,6 +32,7 @@ from vllm_server import (  # noqa: E402
     pulls,
     start,
     tokens,
+    trail,
     wait_free,
 )
 
@@ -127,7 +128,7 @@ def test_instances_of_other_tp_sizes_hand_over_a_hybrid_model(mixed, src, dst):
         assert tokens(out) == own(mixed[dst], p), (src, dst, n)
         # Every decode worker pulled; the prefill left the last prompt token to the decode
         # (a sliding-window block it still reads may already be freed there).
-        assert pulls(mixed[dst], out) == TP[dst], (src, dst, n)
+        assert pulls(mixed[dst], out) == TP[dst], (src, dst, n, trail(mixed[dst], out))
         assert hits == n - 1, (src, dst, n, hits)
 
 
@@ -157,4 +158,9 @@ def test_a_hybrid_decode_with_cached_prefixes_decodes_as_itself(mixed, dst):
             c = base + prompt(extra, 8002 + 10 * k + j)
             _, out, hits = handover(mixed, src, dst, c)
             assert tokens(out) == own(d, c), (dst, shared, extra)
-            assert pulls(d, out) == TP[dst] and 0 < hits <= len(c) - 1, (dst, shared, hits)
+            assert pulls(d, out) == TP[dst] and 0 < hits <= len(c) - 1, (
+                dst,
+                shared,
+                hits,
+                trail(d, out),
+            )

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from fabric import Agent  # noqa: E402
 from tiny_llama import write_mamba2  # noqa: E402
-from vllm_server import HITS, VllmServer, prefill, prompt, pulls, start, tokens  # noqa: E402
+from vllm_server import HITS, VllmServer, prefill, prompt, pulls, start, tokens, trail  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -46,8 +46,8 @@ def test_a_mamba_state_is_handed_over_and_decoded_as_the_decode_would(state):
         before = d.metric(HITS)
         out = d.complete(p, 12, params)
         assert tokens(out) == want, n
-        assert pulls(d, out) == 1 and d.metric(HITS) - before == n - 1, n
+        assert pulls(d, out) == 1 and d.metric(HITS) - before == n - 1, (n, trail(d, out))
         # Another model's state changes the output: the decode computes on what it pulled.
         params = prefill(state["control"], p)
         out = d.complete(p, 12, params)
-        assert pulls(d, out) == 1 and tokens(out) != want, n
+        assert pulls(d, out) == 1 and tokens(out) != want, (n, trail(d, out))

@@ -4,11 +4,13 @@ the P/D proxy protocol NixlConnector's routers speak, as the tests' router."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -113,7 +115,11 @@ class VllmServer:
             stdout=open(self.log_path, "w"),  # noqa: SIM115
             stderr=subprocess.STDOUT,
             env=env,
-            start_new_session=True,
+            # A process group (stop() kills the whole server), not a session: with autogroup
+            # scheduling (Linux's default) each session competes as one group of equal weight
+            # whatever its nice value, and a TP server's workers, which spin while they wait
+            # for work, starved the other servers and the agents for 10-40 s on two cores.
+            process_group=0,
             # Below the agents, etcd and the test itself, as a node gives the agent DaemonSet
             # CPU of its own: several servers on two cores starved etcd of its keepalives for
             # 10 s at a time and every agent's lease ran out mid-test.
@@ -192,15 +198,26 @@ class VllmServer:
                 total += float(m.group(2))
         return total
 
-    def abandon(self, prompt: list[int], max_tokens: int, params: dict | None, after_s: float):
-        """Sends a completion and hangs up ``after_s`` later (a client that disconnects):
-        returns the thread doing it."""
+    def abandon(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        params: dict | None,
+        after_s: float,
+        hang_up: threading.Event | None = None,
+    ):
+        """Sends a completion and hangs up ``after_s`` later, or as soon as ``hang_up`` is set
+        (a client that disconnects): returns the thread doing it."""
 
         def run() -> None:
             body = json.dumps(self._body(prompt, max_tokens, params, stream=True)).encode()
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=after_s + 30)
             try:
                 conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+                if hang_up is not None:
+                    # A read blocks while the request waits (preempted): shutting the socket
+                    # from here ends it at once.
+                    threading.Thread(target=cut, args=(conn.sock,), daemon=True).start()
                 deadline = time.monotonic() + after_s
                 resp = conn.getresponse() if after_s > 0 else None
                 while resp is not None and time.monotonic() < deadline:
@@ -210,6 +227,11 @@ class VllmServer:
                 pass
             finally:
                 conn.close()
+
+        def cut(sock) -> None:
+            if hang_up.wait(after_s):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
         t = threading.Thread(target=run, daemon=True)
         t.start()
@@ -251,6 +273,22 @@ def prompt(n: int, seed: int) -> list[int]:
 def pulls(server: VllmServer, response: dict) -> int:
     """How many of the server's workers logged a completed pull for this response's request."""
     return server.log().count(f"kvfabric: pulled {response['id']}-")
+
+
+def trail(server: VllmServer, response: dict) -> str:
+    """Why a request was or was not pulled, for an assertion's message: the server's log lines
+    that name it or say why something was recomputed, and its kvfabric counters."""
+    rid = response["id"]
+    lines = [
+        line
+        for line in server.log().splitlines()
+        if rid in line or "recomputed" in line or ("kvfabric" in line and "failed" in line)
+    ]
+    counters = {
+        name: server.metric(f"vllm:kvfabric_{name}_total")
+        for name in ("pulls", "pull_failures", "not_pulled", "local_hits")
+    }
+    return f"{server.name} {counters}\n" + "\n".join(lines[-20:])
 
 
 def wait_free(server: VllmServer, timeout: float = 60) -> None:
