@@ -372,13 +372,53 @@ pub fn memcpy_contiguous(src: &[u8], dst: &mut [u8], threads: usize, secs: f64) 
     })
 }
 
+/// What a thread's bounce buffer holds: small enough to stay in its core's caches between the
+/// two copies, as a socket buffer's bytes do at best between the sender's and the receiver's.
+pub const BOUNCE_BYTES: usize = 64 << 10;
+
+/// The two copies the kernel's TCP path makes of every byte, and nothing else: `threads` threads
+/// each copying random `block`s of `src` into a bounce buffer that stays in its caches (send:
+/// user → socket buffer), then from there into random blocks of its share of `dst` (receive:
+/// socket buffer → user). A tcp row between pools in DRAM makes at least these copies, across
+/// two cores' caches, and does the protocol's work besides: it cannot move more.
+pub fn two_copies(
+    src: &[u8],
+    dst: &mut [u8],
+    block: usize,
+    per_batch: usize,
+    threads: usize,
+    secs: f64,
+) -> Ceiling {
+    let blocks = src.len().min(dst.len()) / block;
+    let threads = threads.clamp(1, blocks.max(1));
+    let mine = blocks / threads;
+    let shares = dst[..mine * threads * block]
+        .chunks_mut(mine * block)
+        .map(|share| (share, vec![1u8; BOUNCE_BYTES.min(block)]));
+    let name = format!("2 copies ×{threads} via cache");
+    copy_on_threads(name, shares, secs, |_, (share, bounce), rng| {
+        for _ in 0..per_batch {
+            let s = rng.random_range(0..blocks) * block;
+            let d = rng.random_range(0..mine) * block;
+            for at in (0..block).step_by(bounce.len()) {
+                let n = bounce.len().min(block - at);
+                bounce[..n].copy_from_slice(&src[s + at..][..n]);
+                // Keeps the compiler from forwarding the first copy's source to the second.
+                std::hint::black_box(&mut bounce[..n]);
+                share[d + at..][..n].copy_from_slice(&bounce[..n]);
+            }
+        }
+        (per_batch * block) as u64
+    })
+}
+
 /// One thread per share of a destination, each running `pass(thread, share, rng)` (which
 /// returns the bytes it copied) until `secs` have passed: the rate of all of them together.
-fn copy_on_threads<'d>(
+fn copy_on_threads<S: Send>(
     name: String,
-    shares: impl Iterator<Item = &'d mut [u8]>,
+    shares: impl Iterator<Item = S>,
     secs: f64,
-    pass: impl Fn(usize, &mut [u8], &mut SmallRng) -> u64 + Sync,
+    pass: impl Fn(usize, &mut S, &mut SmallRng) -> u64 + Sync,
 ) -> Ceiling {
     let span = Duration::from_secs_f64(secs);
     let start = Instant::now();
@@ -386,12 +426,12 @@ fn copy_on_threads<'d>(
         let pass = &pass;
         let workers: Vec<_> = shares
             .enumerate()
-            .map(|(t, share)| {
+            .map(|(t, mut share)| {
                 scope.spawn(move || {
                     let mut rng = SmallRng::seed_from_u64(11 + t as u64);
                     let mut moved = 0u64;
                     while start.elapsed() < span {
-                        moved += pass(t, share, &mut rng);
+                        moved += pass(t, &mut share, &mut rng);
                     }
                     moved
                 })

@@ -323,6 +323,7 @@ impl Initiator {
             ceiling_p50_us: judged.best.p50_us,
             ratio: judged.ratio,
             ceiling_bug: judged.ceiling_bug,
+            other_bounds: judged.others,
             bound: judged.parts,
             same_shape: judged.same_shape,
         })

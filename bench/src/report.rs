@@ -4,6 +4,7 @@ use comfy_table::presets::UTF8_FULL_CONDENSED;
 use comfy_table::{CellAlignment, Table};
 use serde::Serialize;
 
+use crate::bound::Part;
 use crate::ceiling::Ceiling;
 use kvfabric_proto::bytesize::human;
 
@@ -29,7 +30,7 @@ pub struct Row {
     /// (the destination's written and unwritten blocks, the source's for stray writes).
     pub verified: u64,
     pub checksum: bool,
-    /// The bound: the best raw variant of the path (see `bound`).
+    /// The bound: the best raw variant of the tightest limit of the path (see `bound`).
     pub ceiling_name: String,
     pub ceiling_gbps: f64,
     /// For latency rows: the bound's p50 round trip (of its best round).
@@ -38,8 +39,11 @@ pub struct Row {
     pub ratio: f64,
     /// The ratio is above 100%: the bound is not the limit of the path (a bug of the bench).
     pub ceiling_bug: bool,
-    /// Every variant the bound is the best of, each at its best round.
-    pub bound: Vec<Ceiling>,
+    /// The best variant of each other limit, beside the bound (tcp: hot streams or the copies
+    /// in DRAM, whichever is the higher).
+    pub other_bounds: Vec<Ceiling>,
+    /// Every variant of every limit, each at its best round.
+    pub bound: Vec<Part>,
     /// The row's own shape without kvfabric, where measured (not part of the bound).
     pub same_shape: Option<Ceiling>,
 }
@@ -63,13 +67,24 @@ pub fn table(rows: &[Row]) -> String {
         "bound",
         "bound",
         "ratio",
+        "other bound",
         "same shape",
     ]);
-    let value = |c: &Ceiling| match c.p50_us {
-        Some(p50) => format!("{p50:.1} µs"),
-        None => format!("{:.2} GB/s", c.gbps),
-    };
     for r in rows {
+        // Another limit and the same-shape reference, each with kvfabric's ratio to it.
+        let beside = |c: &Ceiling, ratio: String| format!("{:.2} GB/s ({ratio})", c.gbps);
+        let others: Vec<String> = r
+            .other_bounds
+            .iter()
+            .map(|c| {
+                let pct = format!("{:.0}%", r.gbps / c.gbps * 100.0);
+                format!("{}: {}", c.name, beside(c, pct))
+            })
+            .collect();
+        let same_shape = r.same_shape.as_ref().map(|c| match c.p50_us {
+            Some(p50) => format!("{p50:.1} µs"),
+            None => beside(c, format!("{:.2}×", r.gbps / c.gbps)),
+        });
         let ceiling = match r.ceiling_p50_us {
             Some(p50) => format!("{p50:.1} µs"),
             None => format!("{:.2} GB/s", r.ceiling_gbps),
@@ -95,15 +110,27 @@ pub fn table(rows: &[Row]) -> String {
             } else {
                 ratio
             },
-            r.same_shape.as_ref().map(value).unwrap_or_default(),
+            others.join(", "),
+            same_shape.unwrap_or_default(),
         ]);
     }
-    for i in [6, 7, 8, 9, 10, 11, 13, 14, 15] {
+    for i in [6, 7, 8, 9, 10, 11, 13, 14, 16] {
         if let Some(c) = t.column_mut(i) {
             c.set_cell_alignment(CellAlignment::Right);
         }
     }
     let mut out = t.to_string();
+    if rows
+        .iter()
+        .any(|r| r.transport == "tcp" && r.same_shape.is_some())
+    {
+        out.push_str(
+            "\ntcp: the bound is the lower of two limits measured in this run: the kernel's two \
+             copies of every byte between pools in DRAM with nothing else (2 copies), and raw TCP \
+             on buffers that stay in the caches (hot); same shape is raw TCP over the row's own \
+             memory pattern, a reference kvfabric beats, not a bound.",
+        );
+    }
     for r in rows.iter().filter(|r| r.ceiling_bug) {
         out.push_str(&format!(
             "\nceiling bug: {} {} {} reached {:.0}% of its bound ({}): the bound is not the limit of the path",
@@ -149,7 +176,11 @@ mod tests {
             ceiling_p50_us: None,
             ratio: gbps / bound,
             ceiling_bug: gbps > bound,
-            bound: vec![part],
+            other_bounds: Vec::new(),
+            bound: vec![Part {
+                limit: crate::bound::Limit::Path,
+                ceiling: part,
+            }],
             same_shape: None,
         }
     }
