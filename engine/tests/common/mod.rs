@@ -158,13 +158,16 @@ pub fn remote_error(body: &[u8]) -> RemoteError {
     serde_json::from_slice(body).unwrap()
 }
 
-/// This process's threads whose name starts with `prefix` and that were running or runnable
-/// (state R in /proc) in more than half of `samples` looks, `every` apart: threads that spin.
-/// A thread that sleeps (in a futex, poll, the driver's blocking sync) reads S, and one woken
-/// now and then for a moment is R in few samples.
+/// This process's threads whose name starts with `prefix` that were running or runnable (state
+/// R in /proc) in more than half of `samples` looks, `every` apart, and ran on a core for at
+/// least a tenth of that time: threads that spin. A thread that sleeps (in a futex, poll, the
+/// driver's blocking sync) reads S, one woken now and then for a moment is R in few samples, and
+/// one that would park but waits for a core on a loaded machine reads R without running.
 pub fn spinning_threads(prefix: &str, samples: usize, every: std::time::Duration) -> Vec<String> {
     use std::collections::HashMap;
-    let mut running: HashMap<(u32, String), usize> = HashMap::new();
+    // (tid, name) → (looks in state R, ns on a core at the first look, at the last).
+    let mut seen: HashMap<(u32, String), (usize, Option<u64>, u64)> = HashMap::new();
+    let start = std::time::Instant::now();
     for _ in 0..samples {
         for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
             let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
@@ -174,18 +177,34 @@ pub fn spinning_threads(prefix: &str, samples: usize, every: std::time::Duration
                 continue;
             };
             let name = head.split_once('(').map_or("", |(_, n)| n).to_string();
+            if !name.starts_with(prefix) {
+                continue;
+            }
             let tid: u32 = task.file_name().to_string_lossy().parse().unwrap_or(0);
+            // schedstat's first field: nanoseconds on a core.
+            let on_cpu = std::fs::read_to_string(task.path().join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
             let state = rest.trim_start().chars().next().unwrap_or('?');
-            if name.starts_with(prefix) && state == 'R' {
-                *running.entry((tid, name)).or_default() += 1;
+            let e = seen.entry((tid, name)).or_default();
+            e.0 += usize::from(state == 'R');
+            if let Some(ns) = on_cpu {
+                e.1.get_or_insert(ns);
+                e.2 = ns;
             }
         }
         std::thread::sleep(every);
     }
-    let mut names: Vec<String> = running
+    let window = start.elapsed().as_nanos() as u64;
+    let mut names: Vec<String> = seen
         .into_iter()
-        .filter(|(_, n)| *n * 2 > samples)
-        .map(|((tid, name), n)| format!("{name} (tid {tid}, R in {n}/{samples})"))
+        .filter(|(_, (r, first, last))| {
+            *r * 2 > samples && first.is_none_or(|f| (last - f) * 10 >= window)
+        })
+        .map(|((tid, name), (r, first, last))| {
+            let ran = first.map_or(0, |f| last - f) / 1000;
+            format!("{name} (tid {tid}, R in {r}/{samples}, {ran} µs on a core)")
+        })
         .collect();
     names.sort();
     names
