@@ -20,6 +20,7 @@ mod location;
 mod op;
 mod opcode;
 mod parse_error;
+mod prefault;
 pub mod rdma;
 mod region;
 mod region_id;

@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 use crate::cuda::CudaExport;
 use crate::error::{Error, Result, Side};
 pub use crate::location::Location;
+use crate::prefault::Prefault;
 pub use crate::region_id::{AccessKey, RegionId};
 
 /// Where a region's bytes live and who frees them.
@@ -22,7 +23,7 @@ enum Backing {
     /// Allocated by the engine in a memfd so a process on the same node can map it.
     Memfd { fd: OwnedFd },
     /// A peer's memfd mapped into this process (shm transport).
-    Mapped { _fd: OwnedFd },
+    Mapped { fd: OwnedFd },
     /// The caller's memory; the caller keeps it alive until deregistration completes.
     Caller,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -43,6 +44,8 @@ pub struct Region {
     backing: Backing,
     inflight: AtomicUsize,
     idle: Notify,
+    /// Maps the pages the memfd's owner touched, in the background (see `Prefault`).
+    prefault: Option<Prefault>,
 }
 
 // SAFETY: a Region is a raw range of memory; concurrent access is what a transfer engine does and
@@ -158,16 +161,18 @@ impl Region {
         if len == 0 {
             return Err(refuse("the file is empty".into()));
         }
-        // Mapped lazily: populating would allocate (and charge to this process's cgroup) every
-        // page the owner never touched, and stall the caller while it does.
+        // Only what the owner touched is mapped now: populating it all would allocate (and
+        // charge to this process's cgroup) every page the owner never touched.
         let ptr = map_shared(fd.as_fd(), len, MapFlags::empty())?;
-        Ok(Region::new(
+        let mut region = Region::new(
             id,
             Location::Host { numa: None },
             ptr,
             len,
             Backing::Memfd { fd },
-        ))
+        );
+        region.prefault();
+        Ok(region)
     }
 
     /// Wraps caller memory.
@@ -202,17 +207,18 @@ impl Region {
                 reason: "peer sent an empty file".into(),
             });
         }
-        // Mapped lazily, for the reason `from_memfd` gives: the peer's pool may be mostly pages
-        // nobody touched yet.
+        // Only what the peer touched is mapped now, for the reason `from_memfd` gives: the
+        // peer's pool may be mostly pages nobody touched yet.
         let ptr = map_shared(fd.as_fd(), len, MapFlags::empty())?;
         let mut region = Region::new(
             id,
             Location::Host { numa: None },
             ptr,
             len,
-            Backing::Mapped { _fd: fd },
+            Backing::Mapped { fd },
         );
         region.key = key;
+        region.prefault();
         Ok(region)
     }
 
@@ -259,6 +265,18 @@ impl Region {
             backing,
             inflight: AtomicUsize::new(0),
             idle: Notify::new(),
+            prefault: None,
+        }
+    }
+
+    /// Starts mapping the pages our memfd already holds (a fresh mapping faults page by page).
+    fn prefault(&mut self) {
+        let (Backing::Memfd { fd } | Backing::Mapped { fd }) = &self.backing else {
+            return;
+        };
+        // Best effort: without a second fd the pages fault in as they are first used.
+        if let Ok(fd) = fd.try_clone() {
+            self.prefault = Prefault::spawn(fd, self.ptr, self.len);
         }
     }
 
@@ -389,6 +407,8 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        // Before the mapping goes: the prefault thread works in it.
+        drop(self.prefault.take());
         if matches!(self.backing, Backing::Memfd { .. } | Backing::Mapped { .. }) {
             let mapped = self.len.div_ceil(page_size()) * page_size();
             // SAFETY: we created this mapping with exactly this base and (page-rounded) length;
@@ -447,5 +467,56 @@ impl RawRange {
     pub(crate) unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
         // SAFETY: bounds checked at construction; liveness and exclusivity by the caller.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Resident kB of the mapping that starts at `ptr` (/proc/self/smaps).
+    fn rss_kib(ptr: NonNull<u8>) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let start = format!("{:x}-", ptr.as_ptr() as usize);
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
+        lines
+            .find_map(|l| l.strip_prefix("Rss:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("the mapping is in smaps")
+    }
+
+    #[test]
+    fn a_registered_memfd_gets_the_pages_its_owner_touched_mapped_and_nothing_else() {
+        let fd = memfd_create(
+            "prefault-test",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )
+        .unwrap();
+        let len: u64 = 8 << 20;
+        rustix::fs::ftruncate(&fd, len).unwrap();
+        // The owner touched the third MiB only.
+        rustix::io::pwrite(&fd, &vec![7u8; 1 << 20], 2 << 20).unwrap();
+        let allocated = |fd: &OwnedFd| rustix::fs::fstat(fd).unwrap().st_blocks as u64 * 512;
+        assert_eq!(allocated(&fd), 1 << 20);
+        let probe = fd.try_clone().unwrap();
+
+        let region = Region::from_memfd(RegionId(1), fd).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while rss_kib(region.ptr) < 1024 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the touched MiB was never mapped"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        while !region.prefault.as_ref().is_none_or(Prefault::is_done) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(rss_kib(region.ptr), 1024, "only the touched MiB is mapped");
+        assert_eq!(
+            allocated(&probe),
+            1 << 20,
+            "no page the owner never touched was allocated"
+        );
     }
 }
