@@ -51,7 +51,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "tests"))
 from fabric import Agent, free_port, kvfabric_bin  # noqa: E402
 from tiny_llama import write  # noqa: E402
-from vllm_server import HITS, VllmServer, prefill, prompt, start  # noqa: E402
+from vllm_server import HITS, NICE, VllmServer, prefill, prompt, start  # noqa: E402
 
 KV_PER_TOKEN = 8 * 8 * 64 * 2 * 4
 KV_BYTES = 1536 << 20  # per server: 12 prompts of 4096 tokens
@@ -68,13 +68,15 @@ def ensure_nixl() -> None:
         )  # fmt: skip
 
 
-def servers(name: str, model: Path, root: Path, agent: Agent | None) -> dict[str, VllmServer]:
+def servers(
+    name: str, model: Path, root: Path, agent: Agent | None, nice: int
+) -> dict[str, VllmServer]:
     """The prefill and decode of one connector (``agent`` None: NixlConnector)."""
     out = {}
     for side, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         if agent is not None:
             out[side] = VllmServer(
-                f"{name}-{side}", model, root, role, agent.socket_dir, kv_bytes=KV_BYTES, nice=0
+                f"{name}-{side}", model, root, role, agent.socket_dir, kv_bytes=KV_BYTES, nice=nice
             )
             continue
         out[side] = VllmServer(
@@ -90,7 +92,7 @@ def servers(name: str, model: Path, root: Path, agent: Agent | None) -> dict[str
             },
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
             kv_bytes=KV_BYTES,
-            nice=0,
+            nice=nice,
         )
     return out
 
@@ -211,6 +213,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--connectors", nargs="+", default=["kvfabric", "nixl"])
     ap.add_argument("--json", type=Path, help="write every measurement here too")
+    ap.add_argument(
+        "--server-nice",
+        type=int,
+        default=NICE,
+        help="every vLLM server's nice value, the agent's being 0: as a node gives the agent "
+        "DaemonSet CPU of its own (on two cores, vLLM's workers spin between engine steps)",
+    )
     args = ap.parse_args()
     if "nixl" in args.connectors:
         ensure_nixl()
@@ -219,7 +228,7 @@ def main() -> None:
     results: dict = {"lengths": args.lengths, "clients": args.clients, "seconds": args.seconds}
     steps = len(args.lengths) * args.rounds
     with tqdm(total=steps * (1 + len(args.connectors)), desc="serving bench", unit="req") as bar:
-        plain = VllmServer("plain", model, root, kv_bytes=KV_BYTES, nice=0)
+        plain = VllmServer("plain", model, root, kv_bytes=KV_BYTES, nice=args.server_nice)
         start(plain)
         try:
             results["plain"] = plain_prefill(plain, args.lengths, args.rounds, bar)
@@ -227,7 +236,7 @@ def main() -> None:
             plain.stop()
         for name in args.connectors:
             agent = Agent("serving-agent") if name == "kvfabric" else None
-            pd = servers(name, model, root, agent)
+            pd = servers(name, model, root, agent, args.server_nice)
             try:
                 bar.set_postfix_str(f"{name}: starting")
                 start(*pd.values())

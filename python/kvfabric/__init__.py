@@ -21,7 +21,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _native, _trace
-from ._native import Ops, Region, Segment, SegmentEvent, Transfer, Watch, block_table, columns
+from ._native import (
+    Ops,
+    Pulled,
+    Pulls,
+    Region,
+    Segment,
+    SegmentEvent,
+    Transfer,
+    Watch,
+    block_table,
+    columns,
+)
 from .errors import AgentError, InvalidArgument, KvfabricError
 from .memory import (
     CudaRegion,
@@ -44,6 +55,8 @@ __all__ = [
     "KvfabricError",
     "Ops",
     "Plane",
+    "Pulled",
+    "Pulls",
     "Region",
     "Segment",
     "SegmentEvent",
@@ -92,6 +105,11 @@ class Client:
         The segment keeps the objects alive."""
         regions = [region_of(m, i) for i, m in enumerate(memory)]
         return self._native.register(name, regions, key, list(memory))
+
+    def pulls(self) -> Pulls:
+        """Pulls that run to completion without Python (no event loop, no GIL in their path):
+        ``start`` them, ``take`` the finished ones."""
+        return Pulls(self._native)
 
     def deregister(self, segment: Segment) -> None:
         """Unpublishes ``segment``; returns once no transfer uses its memory."""

@@ -54,6 +54,32 @@ class Transfer:
     elapsed_us: int
     remote_agent: str
 
+class Pulled:
+    id: str
+    bytes: int
+    reason: str
+    detail: str
+    read_us: int
+    check_us: int
+
+class Pulls:
+    def __init__(self, client: Client) -> None: ...
+    def start(
+        self,
+        id: str,
+        local: Segment,
+        reads: Sequence[tuple[str, int, Ops]],
+        timeout: float,
+        check: tuple[str, int, Ops],
+        check_timeout: float,
+        scratch: HostBuffer,
+        word: int,
+        expect: int,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> None: ...
+    def take(self) -> list[Pulled]: ...
+
 class SegmentEvent:
     kind: str
     name: str

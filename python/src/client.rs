@@ -15,7 +15,7 @@ use crate::batch::{self, Plane};
 use crate::buffer::HostBuffer;
 use crate::error::{Error, Result};
 
-fn runtime() -> &'static tokio::runtime::Runtime {
+pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
     pyo3_async_runtimes::tokio::get_runtime()
 }
 
@@ -25,7 +25,7 @@ fn wait<T: Send>(py: Python<'_>, f: impl Future<Output = Result<T>> + Send) -> R
 }
 
 /// A deadline on a call to the agent: no answer in time is DEADLINE_EXCEEDED, never a hang.
-async fn within<T>(
+pub(crate) async fn within<T>(
     limit: Duration,
     call: &'static str,
     f: impl Future<Output = Result<T>>,
@@ -38,7 +38,7 @@ async fn within<T>(
     })
 }
 
-fn seconds(field: &str, s: Option<f64>) -> Result<Option<Duration>> {
+pub(crate) fn seconds(field: &str, s: Option<f64>) -> Result<Option<Duration>> {
     s.map(|s| {
         Duration::try_from_secs_f64(s)
             .ok()
@@ -418,6 +418,14 @@ pub struct Client {
 }
 
 impl Client {
+    pub(crate) fn agent(&self) -> &Agent {
+        &self.agent
+    }
+
+    pub(crate) fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
     fn submit_future(
         &self,
         batch: Batch,

@@ -5,6 +5,7 @@ mod batch;
 mod buffer;
 mod client;
 mod error;
+mod pulls;
 
 use pyo3::prelude::*;
 
@@ -19,6 +20,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::Transfer>()?;
     m.add_class::<client::SegmentEvent>()?;
     m.add_class::<client::Watch>()?;
+    m.add_class::<pulls::Pulls>()?;
+    m.add_class::<pulls::Pulled>()?;
     m.add_function(wrap_pyfunction!(client::columns, m)?)?;
     m.add_function(wrap_pyfunction!(client::block_table, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -315,3 +315,41 @@ def test_close_ends_a_watch_another_thread_waits_on(agent):
     assert not t.is_alive() and got == [[]]
     assert time.monotonic() - t0 < 5
     assert watch.next(timeout=0.1) is None
+
+
+def test_pulls_run_without_python_and_report_the_checked_word(agent):
+    """``Pulls``: batches, then one word that must equal what was expected; every byte moved
+    is checked, a word that differs fails the pull, and a bad word offset is refused."""
+    client = kvfabric.Client(agent.socket_dir)
+    src = filled(64 * BLOCK, 21)
+    words = kvfabric.host_array(16)
+    words[:8] = np.frombuffer(np.uint64(0xC0FFEE).tobytes(), np.uint8)
+    scratch = kvfabric.HostBuffer(16)
+    dst = kvfabric.host_array(64 * BLOCK)
+    p = client.register("pulls-src", [src, words])
+    d = client.register("pulls-dst", [dst, scratch])
+    plane = [(0, 0, BLOCK, BLOCK)]
+    ids = np.arange(64)
+    table = kvfabric.block_table(plane, plane, ids, ids[::-1].copy())
+    check = kvfabric.columns([1], [8], [1], [0], [8])
+    pulls = client.pulls()
+    pulls.start("good", d, [("pulls-src", p.key, table)], 10.0,
+                ("pulls-src", p.key, check), 5.0, scratch, 8, 0xC0FFEE)  # fmt: skip
+    pulls.start("stale", d, [("pulls-src", p.key, table)], 10.0,
+                ("pulls-src", p.key, check), 5.0, scratch, 8, 0xBAD)  # fmt: skip
+    pulls.start("refused", d, [("pulls-src", p.key + 1, table)], 10.0,
+                ("pulls-src", p.key, check), 5.0, scratch, 8, 0xC0FFEE)  # fmt: skip
+    got: dict[str, kvfabric.Pulled] = {}
+    deadline = time.monotonic() + 30
+    while len(got) < 3:
+        assert time.monotonic() < deadline, got
+        got |= {x.id: x for x in pulls.take()}
+        time.sleep(0.01)
+    assert got["good"].reason == "" and got["good"].bytes == 64 * BLOCK, got["good"]
+    np.testing.assert_array_equal(dst.reshape(64, BLOCK), src.reshape(64, BLOCK)[::-1])
+    assert got["stale"].reason == "hold_ended" and got["stale"].bytes == 0
+    assert got["refused"].reason == "permission_denied", got["refused"]
+    assert pulls.take() == []
+    with pytest.raises(InvalidArgument) as e:
+        pulls.start("x", d, [], 1.0, ("pulls-src", p.key, check), 1.0, scratch, 9, 0)
+    assert e.value.field == "word"

@@ -8,13 +8,15 @@ before it frees the blocks). It is reported done only once nothing of it is in f
 never frees or reuses blocks a transfer still writes. A pull that fails (peer gone, key
 refused, timeout, hold ended) is reported failed and vLLM recomputes the request.
 
-Pulls run on one asyncio loop in a thread of their own; the model's forward never waits on
-them. Nothing here imports vLLM (its GPU test runs where vLLM is not installed).
+Pulls run to completion in the binding's Rust runtime (``kvfabric.Pulls``): no Python thread,
+event loop or GIL between a pull's start and its end, since vLLM's engine thread keeps the GIL
+busy between steps (an asyncio loop needing it at every answer added milliseconds per pull).
+The model's forward never waits on them; each step collects the finished ones. Nothing here
+imports vLLM (its GPU test runs where vLLM is not installed).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -25,13 +27,14 @@ from typing import Any
 import numpy as np
 
 import kvfabric
+from kvfabric import _trace
 
 from .layout import LayerSpec, WorkerLayout, worker_layout
 from .mailbox import state_offset
 from .metadata import KVFabricMetadata, Load, WorkerSegments
 from .params import Handover
 from .plan import Incompatible, MissingBlocks, Plan, block_pairs, make_plan
-from .registration import WORD, Loop, Registration
+from .registration import WORD, Registration
 from .stats import KVFabricStats
 
 log = logging.getLogger("vllm.kvfabric")
@@ -45,24 +48,35 @@ except ImportError:  # traces are optional
 
 
 class _Span:
-    """An OpenTelemetry span when the SDK is there, else nothing."""
+    """An OpenTelemetry span from a pull's start to its end, when the SDK is there; its
+    context travels with the pull's batches to the agents."""
 
     def __init__(self, name: str, **attrs: Any) -> None:
-        self.cm = _tracer.start_as_current_span(name, attributes=attrs) if _tracer else None
-        self.span: Any = None
+        self.span: Any = _tracer.start_span(name, attributes=attrs) if _tracer else None
 
-    def __enter__(self) -> _Span:
-        if self.cm is not None:
-            self.span = self.cm.__enter__()
-        return self
+    def headers(self) -> tuple[str | None, str | None]:
+        if self.span is None:
+            return None, None
+        with _otel.use_span(self.span, end_on_exit=False):
+            return _trace.headers()
 
     def set(self, key: str, value: Any) -> None:
         if self.span is not None:
             self.span.set_attribute(key, value)
 
-    def __exit__(self, *exc: Any) -> None:
-        if self.cm is not None:
-            self.cm.__exit__(*exc)
+    def end(self) -> None:
+        if self.span is not None:
+            self.span.end()
+
+
+@dataclass
+class _InFlight:
+    """A started pull: its hold-check word, where it comes from, its span."""
+
+    word: int
+    engine: str
+    queued_at: float
+    span: _Span
 
 
 @dataclass(frozen=True)
@@ -95,7 +109,8 @@ class Worker:
         self.client = kvfabric.Client(settings.socket_dir, timeout=settings.call_timeout_s)
         # Two probe words for the registration keeper, then one word per pull in flight for
         # the hold check.
-        self.scratch = kvfabric.host_array((2 + settings.max_held_requests) * WORD)
+        self.scratch_buffer = kvfabric.HostBuffer((2 + settings.max_held_requests) * WORD)
+        self.scratch = np.frombuffer(self.scratch_buffer, dtype=np.uint8)
         self.free_words = list(range(settings.max_held_requests - 1, -1, -1))
         self.regions: list[Any] = []
         self.layout: WorkerLayout | None = None
@@ -106,7 +121,8 @@ class Worker:
         self.done: set[str] = set()
         self.failed: set[str] = set()
         self.stats = KVFabricStats()
-        self.loop = Loop("kvfabric-loads")
+        self.pulls = self.client.pulls()
+        self.inflight: dict[str, _InFlight] = {}
 
     # -- registration ---------------------------------------------------------------------
 
@@ -156,7 +172,7 @@ class Worker:
             with self.lock:
                 self.sending |= meta.releases
         for req_id, load in meta.loads.items():
-            self.loop.run(self._load(req_id, load, time.perf_counter()))
+            self._start(req_id, load, time.perf_counter())
 
     def _plan(self, h: Handover) -> Plan:
         got = self.plans.get(h.layout_id)
@@ -173,60 +189,49 @@ class Worker:
             raise LoadFailed(got.reason.value, str(got))
         return got
 
-    async def _load(self, req_id: str, load: Load, queued_at: float) -> None:
+    def _start(self, req_id: str, load: Load, queued_at: float) -> None:
+        """Every table of the plan at once, then the hold's state word from the prefill's
+        mailbox (the pull counts only if the hold outlived it), all in the binding's runtime."""
         h = load.handover
-        t0 = time.perf_counter()
-        t_read = t0
-        nbytes, reason = 0, ""
-        with _Span(
-            "kvfabric.connector.load",
-            **{"kvfabric.request": req_id, "kvfabric.src.engine": h.engine},
-        ) as span:
-            try:
-                nbytes = await self._pull(load)
-                t_read = time.perf_counter()
-                await self._check_hold(h)
-                span.set("kvfabric.bytes", nbytes)
-            except LoadFailed as e:
-                reason = e.reason
-                span.set("error", str(e))
-                log.warning(
-                    "kvfabric: pulling %s from %s failed (%s), vLLM recomputes: %s",
-                    req_id,
-                    h.engine,
-                    e.reason,
-                    e,
-                )
-            t1 = time.perf_counter()
-            ms = (t1 - t0) * 1e3
+        attrs = {"kvfabric.request": req_id, "kvfabric.src.engine": h.engine}
+        span = _Span("kvfabric.connector.load", **attrs)
+        try:
+            reads = self._reads(load)
             with self.lock:
-                self.stats.record_load(nbytes, ms, reason)
-                self.done.add(req_id)
-                if reason:
-                    self.failed.add(req_id)
-            if not reason:
-                # Where the time went: waiting for this loop's thread (the engine's own threads
-                # hold the GIL), the reads, the hold check after them.
-                log.info(
-                    "kvfabric: pulled %s: %d B from %s in %.2f ms (queued %.2f, read %.2f, "
-                    "hold check %.2f; done at %.6f)",
-                    req_id,
-                    nbytes,
-                    h.engine,
-                    ms,
-                    (t0 - queued_at) * 1e3,
-                    (t_read - t0) * 1e3,
-                    (t1 - t_read) * 1e3,
-                    time.time(),
-                )
+                if not self.free_words:
+                    raise LoadFailed("busy", "too many pulls in flight to check their holds")
+                j = self.free_words.pop()
+        except LoadFailed as e:
+            self._finish(req_id, h.engine, span, 0, (e.reason, str(e)), None)
+            return
+        at = (2 + j) * WORD
+        assert self.registration is not None and self.registration.segment is not None
+        check = kvfabric.columns(
+            [len(self.regions)], [at], [0], [state_offset(h.slots, h.slot)], [WORD]
+        )
+        self.inflight[req_id] = _InFlight(j, h.engine, queued_at, span)
+        tp, ts = span.headers()
+        self.pulls.start(
+            req_id,
+            self.registration.segment,
+            reads,
+            self.settings.load_timeout_s,
+            (h.mailbox.name, h.mailbox.key, check),
+            self.settings.ack_timeout_s,
+            self.scratch_buffer,
+            at,
+            h.nonce,
+            tp,
+            ts,
+        )
 
-    async def _pull(self, load: Load) -> int:
-        """Every table of the plan at once; returns once none is in flight."""
+    def _reads(self, load: Load) -> list[tuple[str, int, kvfabric.Ops]]:
+        """(peer segment, key, block table) per table of the plan that moves blocks."""
         h = load.handover
         plan = self._plan(h)
         if len(load.groups) != len(h.block_ids):
             raise LoadFailed("invalid_params", "no blocks to load into")
-        calls = []
+        out = []
         for table in plan.tables:
             try:
                 local, remote = block_pairs(plan, table, load.groups[table.group])
@@ -235,60 +240,68 @@ class Worker:
             if len(local) == 0:
                 continue
             peer = h.workers[table.peer]
-            assert self.registration is not None and self.registration.segment is not None
-            calls.append(
-                self.client.read_blocks_async(
-                    self.registration.segment,
-                    peer.name,
-                    peer.key,
-                    table.local_planes,
-                    table.remote_planes,
-                    local,
-                    remote,
-                    timeout=self.settings.load_timeout_s,
-                )
-            )
-        done = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [e for e in done if isinstance(e, BaseException)]
-        if errors:
-            code = getattr(errors[0], "code", "") or type(errors[0]).__name__
-            raise LoadFailed(str(code).lower(), str(errors[0]))
-        return sum(t.bytes for t in done)
+            ops = kvfabric.block_table(table.local_planes, table.remote_planes, local, remote)
+            out.append((peer.name, peer.key, ops))
+        return out
 
-    async def _check_hold(self, h: Handover) -> None:
-        """Reads the hold's state word from the prefill's mailbox: the pull counts only if the
-        hold outlived it."""
-        with self.lock:
-            if not self.free_words:
-                raise LoadFailed("busy", "too many pulls in flight to check their holds")
-            j = self.free_words.pop()
-        try:
-            at = (2 + j) * WORD
-            assert self.registration is not None and self.registration.segment is not None
-            try:
-                await self.client.read_async(
-                    self.registration.segment,
-                    h.mailbox.name,
-                    h.mailbox.key,
-                    [len(self.regions)],
-                    [at],
-                    [0],
-                    [state_offset(h.slots, h.slot)],
-                    [WORD],
-                    timeout=self.settings.ack_timeout_s,
-                )
-            except Exception as e:  # noqa: BLE001 - any failure: the pull is not trusted
-                code = getattr(e, "code", "") or type(e).__name__
-                raise LoadFailed(str(code).lower(), f"checking the hold: {e}") from None
-            got = int(self.scratch[at : at + WORD].view(np.uint64)[0])
-            if got != h.nonce:
-                raise LoadFailed("hold_ended", "the prefill's hold ended before the pull did")
-        finally:
+    def _collect(self) -> None:
+        """Records the pulls the runtime finished since the last step."""
+        for p in self.pulls.take():
+            f = self.inflight.pop(p.id, None)
+            if f is None:
+                continue
             with self.lock:
-                self.free_words.append(j)
+                self.free_words.append(f.word)
+            failure = (p.reason, p.detail) if p.reason else None
+            self._finish(p.id, f.engine, f.span, p.bytes, failure, (f.queued_at, p))
+
+    def _finish(
+        self,
+        req_id: str,
+        engine: str,
+        span: _Span,
+        nbytes: int,
+        failure: tuple[str, str] | None,
+        timing: tuple[float, Any] | None,
+    ) -> None:
+        reason = failure[0] if failure else ""
+        ms = (time.perf_counter() - timing[0]) * 1e3 if timing else 0.0
+        if failure:
+            span.set("error", failure[1])
+            log.warning(
+                "kvfabric: pulling %s from %s failed (%s), vLLM recomputes: %s",
+                req_id,
+                engine,
+                reason,
+                failure[1],
+            )
+        else:
+            span.set("kvfabric.bytes", nbytes)
+        span.end()
+        with self.lock:
+            self.stats.record_load(nbytes, ms, reason)
+            self.done.add(req_id)
+            if reason:
+                self.failed.add(req_id)
+        if not reason and timing:
+            p = timing[1]
+            # Where the time went: the reads, the hold check after them, and the wait for the
+            # engine's next step to see the pull done (the rest).
+            log.info(
+                "kvfabric: pulled %s: %d B from %s in %.2f ms (read %.2f, hold check %.2f; "
+                "done at %.6f)",
+                req_id,
+                nbytes,
+                engine,
+                ms,
+                p.read_us / 1e3,
+                p.check_us / 1e3,
+                time.time(),
+            )
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
+        self._collect()
         with self.lock:
             out = (self.sending, self.done, self.failed)
             self.sending, self.done, self.failed = set(), set(), set()
@@ -302,6 +315,7 @@ class Worker:
         return out
 
     def shutdown(self) -> None:
-        self.loop.stop(self.settings.load_timeout_s + 1)
+        # Pulls still in flight end within their deadlines in the runtime; their memory stays
+        # registered until then (the segment keeps it alive).
         if self.registration is not None:
             self.registration.close()
