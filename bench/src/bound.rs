@@ -60,7 +60,7 @@ enum Probe {
         spin: bool,
     },
     Stream(StreamShape),
-    /// The kernel's two copies of a tcp row's bytes, between the pools (`ceiling::two_copies`).
+    /// The kernel's two copies of a tcp row's bytes, between the pools (`ceiling::scattered_copies`).
     TwoCopies {
         block: usize,
         per_batch: usize,
@@ -399,7 +399,7 @@ impl Probe {
                 if *contiguous {
                     ceiling::memcpy_contiguous(src, dst, *threads, secs)
                 } else {
-                    ceiling::memcpy_scattered(src, dst, *block, *per_batch, *threads, secs)
+                    ceiling::scattered_copies(src, dst, *block, *per_batch, *threads, secs, false)
                 }
             }
             Probe::LineRate { name, gbps } => Ceiling {
@@ -415,7 +415,7 @@ impl Probe {
                 threads,
             } => {
                 let (src, dst) = pools.as_mut().expect("copy probes come with pools");
-                ceiling::two_copies(src, dst, *block, *per_batch, *threads, secs)
+                ceiling::scattered_copies(src, dst, *block, *per_batch, *threads, secs, true)
             }
             Probe::PeerCopy {
                 dst,

@@ -329,32 +329,6 @@ pub fn write_all_spinning(s: &mut TcpStream, mut buf: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// `threads` threads copying random blocks of `src` into random blocks of their own share of
-/// `dst`, `per_batch` blocks between looks at the clock: the row's access pattern as plain
-/// memcpy, on as many threads as kvfabric copies with.
-pub fn memcpy_scattered(
-    src: &[u8],
-    dst: &mut [u8],
-    block: usize,
-    per_batch: usize,
-    threads: usize,
-    secs: f64,
-) -> Ceiling {
-    let blocks = src.len().min(dst.len()) / block;
-    let threads = threads.clamp(1, blocks.max(1));
-    let mine = blocks / threads;
-    let shares = dst[..mine * threads * block].chunks_mut(mine * block);
-    let name = format!("memcpy ×{threads} same shape");
-    copy_on_threads(name, shares, secs, |_, share, rng| {
-        for _ in 0..per_batch {
-            let s = rng.random_range(0..blocks) * block;
-            let d = rng.random_range(0..mine) * block;
-            share[d..d + block].copy_from_slice(&src[s..s + block]);
-        }
-        (per_batch * block) as u64
-    })
-}
-
 /// `threads` threads each copying its contiguous share of `src` into `dst`, over and over: the
 /// memory's copy bandwidth.
 pub fn memcpy_contiguous(src: &[u8], dst: &mut [u8], threads: usize, secs: f64) -> Ceiling {
@@ -376,30 +350,46 @@ pub fn memcpy_contiguous(src: &[u8], dst: &mut [u8], threads: usize, secs: f64) 
 /// two copies, as a socket buffer's bytes do at best between the sender's and the receiver's.
 pub const BOUNCE_BYTES: usize = 64 << 10;
 
-/// The two copies the kernel's TCP path makes of every byte, and nothing else: `threads` threads
-/// each copying random `block`s of `src` into a bounce buffer that stays in its caches (send:
-/// user → socket buffer), then from there into random blocks of its share of `dst` (receive:
-/// socket buffer → user). A tcp row between pools in DRAM makes at least these copies, across
-/// two cores' caches, and does the protocol's work besides: it cannot move more.
-pub fn two_copies(
+/// `threads` threads copying random blocks of `src` into random blocks of their own share of
+/// `dst`, `per_batch` blocks between looks at the clock: the row's access pattern as plain
+/// memcpy (shm), or, `via_cache`, as the two copies the kernel's TCP path makes of every byte
+/// and nothing else: into a bounce buffer that stays in the thread's caches (send: user →
+/// socket buffer), then out of it (receive: socket buffer → user). A tcp row between pools in
+/// DRAM makes at least those copies, across two cores' caches, and does the protocol's work
+/// besides: it cannot move more.
+pub fn scattered_copies(
     src: &[u8],
     dst: &mut [u8],
     block: usize,
     per_batch: usize,
     threads: usize,
     secs: f64,
+    via_cache: bool,
 ) -> Ceiling {
     let blocks = src.len().min(dst.len()) / block;
     let threads = threads.clamp(1, blocks.max(1));
     let mine = blocks / threads;
+    let bounce = if via_cache {
+        BOUNCE_BYTES.min(block)
+    } else {
+        0
+    };
     let shares = dst[..mine * threads * block]
         .chunks_mut(mine * block)
-        .map(|share| (share, vec![1u8; BOUNCE_BYTES.min(block)]));
-    let name = format!("2 copies ×{threads} via cache");
+        .map(|share| (share, vec![1u8; bounce]));
+    let name = if via_cache {
+        format!("2 copies ×{threads} via cache")
+    } else {
+        format!("memcpy ×{threads} same shape")
+    };
     copy_on_threads(name, shares, secs, |_, (share, bounce), rng| {
         for _ in 0..per_batch {
             let s = rng.random_range(0..blocks) * block;
             let d = rng.random_range(0..mine) * block;
+            if bounce.is_empty() {
+                share[d..d + block].copy_from_slice(&src[s..s + block]);
+                continue;
+            }
             for at in (0..block).step_by(bounce.len()) {
                 let n = bounce.len().min(block - at);
                 bounce[..n].copy_from_slice(&src[s + at..][..n]);
