@@ -209,21 +209,28 @@ class Worker:
         check = kvfabric.columns(
             [len(self.regions)], [at], [0], [state_offset(h.slots, h.slot)], [WORD]
         )
-        self.inflight[req_id] = _InFlight(j, h.engine, queued_at, span)
         tp, ts = span.headers()
-        self.pulls.start(
-            req_id,
-            self.registration.segment,
-            reads,
-            self.settings.load_timeout_s,
-            (h.mailbox.name, h.mailbox.key, check),
-            self.settings.ack_timeout_s,
-            self.scratch_buffer,
-            at,
-            h.nonce,
-            tp,
-            ts,
-        )
+        try:
+            self.pulls.start(
+                req_id,
+                self.registration.segment,
+                reads,
+                self.settings.load_timeout_s,
+                (h.mailbox.name, h.mailbox.key, check),
+                self.settings.ack_timeout_s,
+                self.scratch_buffer,
+                at,
+                h.nonce,
+                tp,
+                ts,
+            )
+        except Exception as e:  # noqa: BLE001 - never leave vLLM waiting for a pull that is not
+            with self.lock:
+                self.free_words.append(j)
+            self._finish(req_id, h.engine, span, 0, (type(e).__name__.lower(), str(e)), None)
+            return
+        # Collected on this thread (transfer_results), so never before this line.
+        self.inflight[req_id] = _InFlight(j, h.engine, queued_at, span)
 
     def _reads(self, load: Load) -> list[tuple[str, int, kvfabric.Ops]]:
         """(peer segment, key, block table) per table of the plan that moves blocks."""
