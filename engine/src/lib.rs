@@ -49,5 +49,5 @@ pub use segment::{
 pub use tcp_buffer::TcpBuffer;
 pub use transport::kernel_tls::RecordLayer;
 pub use transport::select::{Preference, Selection};
-pub use transport::tls_record::RecordError;
+pub use transport::tls_record::{RecordError, seal_gbps};
 pub use transport::{TransportKind, TransportStats};

@@ -676,17 +676,39 @@ mod tests {
     /// Our records against a plain rustls peer (its own record layer): both directions, a key
     /// update each way (theirs asks for ours), and their close_notify.
     #[test]
-    fn a_plain_rustls_peer_reads_and_writes_our_records() {
+    fn the_data_port_agrees_on_aes_128_gcm() {
+        let (c, s) = tls_pair();
+        for t in [&c, &s] {
+            assert_eq!(t.seal.sealer.algorithm(), &aws_lc_rs::aead::AES_128_GCM);
+        }
+    }
+
+    /// A plain rustls server offering only `suite` (the data port's certificate, no client
+    /// certificate asked: the records are what is tried here): our records cross both ways
+    /// under it, through its KeyUpdate and ours.
+    fn through_a_plain_rustls_peer(suite: rustls::SupportedCipherSuite) {
         let t = tls();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
-        let config = t.server_config();
+        let ours = t.server_config();
+        let provider = rustls::crypto::CryptoProvider {
+            cipher_suites: vec![suite],
+            ..(**ours.crypto_provider()).clone()
+        };
+        let config = std::sync::Arc::new(
+            rustls::ServerConfig::builder_with_provider(provider.into())
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .unwrap()
+                .with_no_client_auth()
+                .with_cert_resolver(ours.cert_resolver.clone()),
+        );
         let peer = thread::spawn(move || {
             let (sock, _) = l.accept().unwrap();
             let conn = rustls::ServerConnection::new(config).unwrap();
             let mut s = rustls::StreamOwned::new(conn, sock);
             let mut got = vec![0u8; 1 << 20];
             s.read_exact(&mut got).unwrap();
+            assert_eq!(s.conn.negotiated_cipher_suite(), Some(suite));
             s.conn.refresh_traffic_keys().unwrap();
             s.write_all(&got).unwrap();
             // Our sealer updated its key when asked: this is read under the newer one.
@@ -714,5 +736,19 @@ mod tests {
         assert!(peer.join().unwrap() == data);
         let sealer_updates = w.seal.as_ref().unwrap().lock().unwrap().sealer.updates;
         assert!(sealer_updates >= 9, "{sealer_updates}");
+    }
+
+    #[test]
+    fn a_plain_rustls_peer_reads_and_writes_our_records_in_every_suite() {
+        use rustls::crypto::ring::cipher_suite::{
+            TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256,
+        };
+        for suite in [
+            TLS13_AES_128_GCM_SHA256,
+            TLS13_AES_256_GCM_SHA384,
+            TLS13_CHACHA20_POLY1305_SHA256,
+        ] {
+            through_a_plain_rustls_peer(suite);
+        }
     }
 }
