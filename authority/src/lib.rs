@@ -16,6 +16,8 @@
 //! This crate is the byte-stream rewriter alone, without I/O (the agent wraps its connections
 //! in it), so the `authority` fuzz target links nothing else.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 use bytes::{Buf, BytesMut};

@@ -1,6 +1,8 @@
 //! `kvfabric`: parse the command line and environment into a subcommand's validated config (exit
 //! 64 when it is bad), run it until it ends or SIGTERM/SIGINT, exit with its status.
 
+#![forbid(unsafe_code)]
+
 mod command;
 mod status;
 

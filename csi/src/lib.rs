@@ -11,6 +11,8 @@
 //! counts the pods of each directory and removes a directory after its last pod, so a deleted
 //! fabric leaves nothing on the node.
 
+#![forbid(unsafe_code)]
+
 pub mod config;
 pub mod error;
 pub mod ledger;

@@ -6,6 +6,8 @@
 //! Without default features this crate is the contract alone (constants and serde documents),
 //! which is what the operator links.
 
+#![forbid(unsafe_code)]
+
 pub mod bytesize;
 pub mod contract;
 pub mod entry;

@@ -4,6 +4,8 @@
 //! full ([`admission`]); with the `args` feature, how the binaries parse their command line
 //! ([`args`]).
 
+#![forbid(unsafe_code)]
+
 pub mod admission;
 #[cfg(feature = "args")]
 pub mod args;

@@ -4,6 +4,8 @@
 //! ([`InProcessAgent`], feature `agent`), and skips that are counted, and refused in CI
 //! ([`skip::skip`]).
 
+#![forbid(unsafe_code)]
+
 #[cfg(feature = "agent")]
 mod agent;
 pub mod cluster;
