@@ -31,27 +31,27 @@ use crate::error::{Error, Result};
 use crate::node::LocalSegment;
 
 /// Most live holds (and holds still being ended) one segment may have.
-pub const MAX_HOLDS_PER_SEGMENT: usize = 65_536;
+pub(crate) const MAX_HOLDS_PER_SEGMENT: usize = 65_536;
 /// Most live holds (and holds still being ended) one agent may keep for all its segments.
-pub const MAX_HOLDS_PER_AGENT: usize = 262_144;
+pub(crate) const MAX_HOLDS_PER_AGENT: usize = 262_144;
 /// Words (8 bytes) of planes and block ids all holds of an agent may store, and as many for
 /// the grants it was handed: 512 MiB each. A hold's own bounds (4096 planes, 2^20 ids) times the
 /// counts above would be terabytes; this is what bounds the memory.
-pub const MAX_HOLD_WORDS: usize = 1 << 26;
+pub(crate) const MAX_HOLD_WORDS: usize = 1 << 26;
 /// Most agents one hold is handed to (each is asked to drop it when it ends).
-pub const MAX_GRANTEES: usize = 1024;
+pub(crate) const MAX_GRANTEES: usize = 1024;
 /// Most grants a reader's agent keeps (for its workers' batches) at once.
-pub const MAX_GRANTS: usize = 262_144;
+pub(crate) const MAX_GRANTS: usize = 262_144;
 /// How long ending a hold waits for the agents it was handed to, unless the caller says.
-pub const DEFAULT_END_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_END_TIMEOUT: Duration = Duration::from_secs(5);
 /// A cached grant with less than this left (or less than the batch's own budget, if smaller)
 /// is asked for again before a batch uses it: the owner may have extended the hold.
-pub const GRANT_REFRESH: Duration = Duration::from_secs(1);
+pub(crate) const GRANT_REFRESH: Duration = Duration::from_secs(1);
 
 /// How much earlier than the owner's word a reader's agent lets its grant end: 10 ms, plus
 /// 1000 ppm of the time left for two monotonic clocks that drift apart (NTP slews stay far
 /// below that). The reader counts from when it *asked*, which is before the owner counted.
-pub fn margin(left: Duration) -> Duration {
+pub(crate) fn margin(left: Duration) -> Duration {
     Duration::from_millis(10) + left / 1000
 }
 
@@ -246,7 +246,7 @@ impl Grant {
 }
 
 /// A grant as SegmentAccess carries it, with the time it has left.
-pub fn to_wire(grant: &Grant, left: Duration) -> pb::HoldGrant {
+pub(crate) fn to_wire(grant: &Grant, left: Duration) -> pb::HoldGrant {
     pb::HoldGrant {
         planes: grant
             .planes()
@@ -264,7 +264,7 @@ pub fn to_wire(grant: &Grant, left: Duration) -> pb::HoldGrant {
 
 /// A grant from SegmentAccess, within the bounds a hold has (the segment's agent is a fabric
 /// member, but what it sends is still checked before it is kept).
-pub fn from_wire(g: pb::HoldGrant) -> std::result::Result<(Grant, Duration), String> {
+pub(crate) fn from_wire(g: pb::HoldGrant) -> std::result::Result<(Grant, Duration), String> {
     if g.planes.len() > MAX_HOLD_PLANES || g.block_ids.len() > MAX_HOLD_BLOCK_IDS {
         return Err(format!(
             "{} planes and {} block ids: more than a hold has",

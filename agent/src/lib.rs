@@ -3,6 +3,9 @@
 //! `serve` runs one from an [`AgentConfig`]; the `kvfabric` binary (crate `kvfabric-cli`)
 //! parses the flags and environment into one.
 
+// What only the agent uses is crate-private, so the compiler flags it once it is unused.
+#![warn(unreachable_pub)]
+
 pub mod allocator;
 pub mod authority;
 pub mod config;
@@ -10,21 +13,21 @@ pub mod discovery;
 mod error;
 pub mod fd_socket;
 pub mod fd_stash;
-pub mod holds;
+mod holds;
 pub mod incoming;
-pub mod local_api;
-pub mod message_limit;
+mod local_api;
+mod message_limit;
 pub mod metrics;
-pub mod node;
-pub mod peer_api;
-pub mod peer_link;
+mod node;
+mod peer_api;
+mod peer_link;
 pub mod peer_tls;
 pub mod peer_token;
-pub mod readiness;
+mod readiness;
 pub mod registry;
-pub mod rpc;
+mod rpc;
 pub mod server;
-pub mod status;
+mod status;
 pub mod telemetry;
 mod write_through;
 

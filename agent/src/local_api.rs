@@ -32,7 +32,7 @@ use tracing::{Instrument, field, info_span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 #[derive(Debug, Clone)]
-pub struct LocalApi {
+pub(crate) struct LocalApi {
     pub node: Arc<Node>,
 }
 
@@ -58,7 +58,7 @@ fn event(kind: segment_event::Kind, entry: &SegmentEntry) -> SegmentEvent {
     }
 }
 
-pub fn decode_transfer(req: SubmitRequest) -> Result<Transfer, Error> {
+pub(crate) fn decode_transfer(req: SubmitRequest) -> Result<Transfer, Error> {
     let opcode = match pb::Opcode::try_from(req.opcode) {
         Ok(pb::Opcode::Read) => Opcode::Read,
         Ok(pb::Opcode::Write) => Opcode::Write,

@@ -12,7 +12,7 @@ use tonic::body::Body;
 
 /// The body of one request, cut off past `limit` bytes.
 #[derive(Debug)]
-pub struct Limited {
+pub(crate) struct Limited {
     inner: Body,
     left: usize,
     limit: usize,
@@ -54,7 +54,7 @@ impl HttpBody for Limited {
 }
 
 /// Wraps each request body with the limit `limit_of` gives its path (`/package.Service/Method`).
-pub fn layer(
+pub(crate) fn layer(
     limit_of: impl Fn(&str) -> usize + Clone,
 ) -> tower::util::MapRequestLayer<impl Fn(http::Request<Body>) -> http::Request<Body> + Clone> {
     tower::util::MapRequestLayer::new(move |req: http::Request<Body>| {

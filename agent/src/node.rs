@@ -26,7 +26,7 @@ use crate::registry::{AgentEntry, SegmentEntry, SegmentRegion, SharedRegistry};
 use crate::telemetry;
 
 /// Most regions one segment may hold.
-pub const MAX_REGIONS: usize = 4096;
+pub(crate) const MAX_REGIONS: usize = 4096;
 
 /// What the agent was configured with.
 #[derive(Debug, Clone)]
@@ -201,7 +201,7 @@ pub struct HoldPlane {
 
 /// What SegmentAccess answers: a segment's regions, and for a hold's key the grant and the
 /// time it has left.
-pub type SegmentAccess = (Vec<RegionDesc>, Option<(Arc<Grant>, Duration)>);
+pub(crate) type SegmentAccess = (Vec<RegionDesc>, Option<(Arc<Grant>, Duration)>);
 
 /// How a remote segment may be reached for a batch: with its key (all of it), or under a
 /// hold's grant.
@@ -1427,7 +1427,7 @@ fn index_error(field: String, index: u64, segment: &str, count: usize) -> Error 
 }
 
 /// Segment names become etcd key segments and log fields: keep them plain.
-pub fn check_segment_name(name: &str) -> Result<()> {
+pub(crate) fn check_segment_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 253
         && name

@@ -19,7 +19,7 @@ use kvfabric_proto::pb::{
 };
 
 #[derive(Debug, Clone)]
-pub struct PeerApi {
+pub(crate) struct PeerApi {
     pub node: Arc<Node>,
 }
 

@@ -74,7 +74,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// How this agent calls other agents' peer API: as whom, for which fabric, with which token.
 #[derive(Debug, Clone)]
-pub struct Caller {
+pub(crate) struct Caller {
     pub fabric: String,
     pub me: String,
     pub timeout: Duration,
@@ -92,7 +92,10 @@ impl Caller {
     }
 
     /// The data-plane descriptor of `agent` (endpoints, no regions) and its engine's data secret.
-    pub async fn handshake(&self, agent: &AgentEntry) -> Result<(SegmentDescriptor, DataSecret)> {
+    pub(crate) async fn handshake(
+        &self,
+        agent: &AgentEntry,
+    ) -> Result<(SegmentDescriptor, DataSecret)> {
         let fail = |reason: String| failure(agent, reason);
         let reply = dial(agent, self.timeout, self.tls.as_deref())
             .await?
@@ -118,7 +121,7 @@ impl Caller {
     /// The regions of `segment` at `agent`, for the segment's `key`, or for a hold's key with
     /// the hold's grant and its time left; answered within `wait` (the batch's time left: a
     /// peer slowed by a loaded node has all of it, not just the connect timeout).
-    pub async fn segment_access(
+    pub(crate) async fn segment_access(
         &self,
         agent: &AgentEntry,
         segment: &str,
@@ -165,7 +168,7 @@ impl Caller {
 
     /// Asks `agent` to drop its grant of hold `hold_key` on `segment` and to answer once its
     /// batches under it can no longer land; at most `wait`.
-    pub async fn revoke_hold(
+    pub(crate) async fn revoke_hold(
         &self,
         agent: &AgentEntry,
         segment: &str,
@@ -194,7 +197,7 @@ impl Caller {
     }
 
     /// Sends an rdma connection offer to `agent` and returns its answer.
-    pub async fn rdma_connect(
+    pub(crate) async fn rdma_connect(
         &self,
         agent: &AgentEntry,
         offer: &ConnectInfo,
@@ -219,7 +222,7 @@ impl Caller {
 /// The engine's [`RdmaExchange`] over the peer API: the offer goes to the peer agent's
 /// `RdmaConnect`, at connect time and whenever the engine rebuilds the connection.
 #[derive(Debug)]
-pub struct PeerExchange {
+pub(crate) struct PeerExchange {
     pub agent: AgentEntry,
     pub caller: Caller,
     /// The agent's runtime: the engine calls from its own threads.

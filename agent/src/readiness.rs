@@ -28,7 +28,7 @@ use crate::registry::SharedRegistry;
 const FOLLOW_EVERY: Duration = Duration::from_millis(500);
 
 #[derive(Debug)]
-pub struct Readiness {
+pub(crate) struct Readiness {
     health: HealthReporter,
     ready: AtomicBool,
     draining: AtomicBool,
@@ -38,7 +38,7 @@ pub struct Readiness {
 
 impl Readiness {
     /// Live, not ready.
-    pub async fn new(health: HealthReporter) -> Arc<Readiness> {
+    pub(crate) async fn new(health: HealthReporter) -> Arc<Readiness> {
         health
             .set_service_status(LIVE_SERVICE, ServingStatus::Serving)
             .await;
@@ -52,17 +52,17 @@ impl Readiness {
         r
     }
 
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Acquire)
     }
 
     /// Why the agent is not ready, when the reason is more than "not in the registry".
-    pub fn reason(&self) -> Option<String> {
+    pub(crate) fn reason(&self) -> Option<String> {
         self.certificate.lock().clone()
     }
 
     /// Ready while `in_registry`, unless draining or the certificate expired.
-    pub async fn set(&self, in_registry: bool) {
+    pub(crate) async fn set(&self, in_registry: bool) {
         let ready = in_registry
             && !self.draining.load(Ordering::Acquire)
             && self.certificate.lock().is_none();
@@ -72,7 +72,7 @@ impl Readiness {
     }
 
     /// Not ready from now on; live until the server stops.
-    pub async fn drain(&self) {
+    pub(crate) async fn drain(&self) {
         self.draining.store(true, Ordering::Release);
         self.set(false).await;
         // Published even if it was not ready already, so the last word is NOT_SERVING.
@@ -97,7 +97,7 @@ impl Readiness {
 
     /// Follows the registry's connection, and the expiry of the certificate in use (`tls`,
     /// which reloads keep current), until the task is aborted.
-    pub fn follow(
+    pub(crate) fn follow(
         self: &Arc<Self>,
         registry: SharedRegistry,
         tls: Option<PeerTls>,

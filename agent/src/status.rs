@@ -1,7 +1,7 @@
 //! What the local API's Status call answers: agents and segments from the registry, this agent's
 //! segments and open data connections (the document type is `kvfabric_proto::status`).
 
-pub use kvfabric_proto::status::{ConnectionRow, SegmentRow, StatusDoc};
+pub(crate) use kvfabric_proto::status::{ConnectionRow, SegmentRow, StatusDoc};
 
 use crate::config::location_name;
 use kvfabric_engine::Location;
@@ -10,7 +10,7 @@ use crate::node::Node;
 
 /// Every segment of the fabric the registry knows, and every segment registered here (published
 /// or, while the registry is unreachable, not yet).
-pub async fn collect(node: &Node) -> StatusDoc {
+pub(crate) async fn collect(node: &Node) -> StatusDoc {
     let me = &node.config.name;
     let local: Vec<_> = node.local_segments();
     let is_local = |name: &str| local.iter().any(|l| l.name == name);
