@@ -553,6 +553,32 @@ mod tests {
         );
     }
 
+    #[test]
+    fn pieces_of_every_size_arrive_whole() {
+        let (c, s) = tls_pair();
+        // Pieces around the record size, and runs of tiny ones.
+        let sizes = [
+            1, 7, 4095, 4096, 4097, 16383, 16384, 16385, 100_000, 3, 64, 64, 64, 40_000,
+        ];
+        let data = pattern(sizes.iter().sum::<usize>() * 4, 5);
+        let total = data.len();
+        let reader = thread::spawn(move || {
+            let (_w, mut r) = DataStream::Tls(s).split().unwrap();
+            let mut got = vec![0u8; total];
+            r.read_exact(&mut got).unwrap();
+            got
+        });
+        let (w, _r) = DataStream::Tls(c).split().unwrap();
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for n in sizes.iter().cycle().take(sizes.len() * 4) {
+            pieces.push(IoSlice::new(&data[at..at + n]));
+            at += n;
+        }
+        super::super::io::write_all_vectored(&mut w.lock(), &mut pieces).unwrap();
+        assert!(reader.join().unwrap() == data, "every byte, in order");
+    }
+
     /// Writes `wire` as raw bytes on the client's socket and reads what the server makes of it
     /// into a zeroed buffer: the error, and whether any byte landed.
     fn server_reads(
