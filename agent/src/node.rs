@@ -560,28 +560,7 @@ impl Node {
     async fn transfer_in_span(&self, t: &Transfer) -> Result<TransferResult> {
         let span = tracing::Span::current();
         let local = self.local_segment(&t.local_segment, t.local_key)?;
-        // A table counts as its planes × blocks.
-        let field = match t.ops {
-            BatchOps::List(_) => "ops",
-            BatchOps::Table(_) => "table",
-        };
-        if t.ops.is_empty() {
-            return Err(Error::invalid(
-                field,
-                0,
-                "a batch needs at least one op (a table: a plane and a block)",
-            ));
-        }
-        if t.ops.len() > self.config.max_batch_ops {
-            return Err(Error::invalid(
-                field,
-                t.ops.len(),
-                format!(
-                    "more than the agent's limit of {} block ops",
-                    self.config.max_batch_ops
-                ),
-            ));
-        }
+        self.check_size(&t.ops)?;
         let remote =
             self.segment_entry(&t.remote_segment)
                 .ok_or_else(|| Error::UnknownSegment {
@@ -593,66 +572,14 @@ impl Node {
         };
         span.record("kvfabric.src.node", src_node.as_str());
         span.record("kvfabric.dst.node", dst_node.as_str());
-        let mut gpu_only = true;
-        // Segment indexes to the engines' region ids, once per op or once per plane.
-        let mut resolve = |field: String, l: RegionId, r: RegionId| {
-            let lr = local.regions.get(l.0 as usize).ok_or_else(|| {
-                index_error(
-                    format!("{field}local_region"),
-                    l.0,
-                    &local.name,
-                    local.regions.len(),
-                )
-            })?;
-            let rr = remote.regions.get(r.0 as usize).ok_or_else(|| {
-                index_error(
-                    format!("{field}remote_region"),
-                    r.0,
-                    &remote.name,
-                    remote.regions.len(),
-                )
-            })?;
-            gpu_only &= matches!(lr.location(), Location::Cuda { .. })
-                && matches!(rr.location, Location::Cuda { .. });
-            Ok::<_, Error>((lr.id(), rr.id))
-        };
-        let ops = match &t.ops {
-            BatchOps::List(list) => {
-                let mut ops = Vec::with_capacity(list.len());
-                for (i, o) in list.iter().enumerate() {
-                    let (l, r) = resolve(format!("ops[{i}]."), o.local_region, o.remote_region)?;
-                    ops.push(BlockOp {
-                        local_region: l,
-                        remote_region: r,
-                        ..*o
-                    });
-                }
-                BatchOps::List(ops)
-            }
-            BatchOps::Table(table) => {
-                let mut table = table.clone();
-                for (i, p) in table.planes.iter_mut().enumerate() {
-                    let (l, r) = resolve(
-                        format!("table.planes[{i}]."),
-                        p.local.region,
-                        p.remote.region,
-                    )?;
-                    (p.local.region, p.remote.region) = (l, r);
-                }
-                BatchOps::Table(table)
-            }
-        };
+        let (ops, gpu_only) = resolve_regions(&local, &remote, &t.ops)?;
         // The batch's deadline bounds all of it: a dial to a peer that does not answer ends
         // when the batch would have, not after the connect timeout.
         let budget = t.timeout.unwrap_or(self.config.batch_timeout);
         let deadline = tokio::time::Instant::now() + budget;
-        let late = |during| Error::Deadline {
-            during,
-            millis: budget.as_millis() as u64,
-        };
         let link = tokio::time::timeout_at(deadline, self.link(&remote, gpu_only))
             .await
-            .map_err(|_| late("connecting to the peer agent"))??;
+            .map_err(|_| late("connecting to the peer agent", budget))??;
         span.record("kvfabric.transport", link.peer.transport().to_string());
         span.record("kvfabric.transport.reason", link.reason.as_str());
         let access = tokio::time::timeout_at(
@@ -660,111 +587,11 @@ impl Node {
             self.learn_segment(&link, &remote, t.remote_key, budget),
         )
         .await
-        .map_err(|_| late("asking the peer agent for the segment's regions"))??;
-        // Under a hold: the guard its batches hold (the engine keeps it until every piece is
-        // accounted for, which is what a revocation waits for) and when the grant ends.
-        let mut under_hold = None;
-        match &access {
-            Access::Full => {
-                let wrong = |r: &SegmentRegion| {
-                    link.peer
-                        .region_key(r.id)
-                        .is_some_and(|k| k != AccessKey(t.remote_key))
-                };
-                if remote.regions.iter().any(wrong) {
-                    return Err(Error::WrongKey {
-                        name: remote.name.clone(),
-                    });
-                }
-            }
-            Access::Hold(slot) => {
-                let refused = |e: Error| {
-                    self.metrics.hold_refused_batches.inc();
-                    e
-                };
-                if t.opcode != Opcode::Read {
-                    return Err(refused(Error::OutsideHold {
-                        segment: remote.name.clone(),
-                        what: "a hold grants reads only".into(),
-                    }));
-                }
-                let uses = tokio::time::timeout_at(deadline, slot.uses.clone().read_owned())
-                    .await
-                    .map_err(|_| late("waiting for the hold's revocation"))?;
-                let usable = slot.usable().map_err(|why| {
-                    refused(match why {
-                        Unusable::Ended => Error::HoldEnded {
-                            segment: remote.name.clone(),
-                        },
-                        // Dropped from the table between the question and now (a sweep of an
-                        // expired grant, a key found to be no hold's): the worker retries.
-                        Unusable::Retry => Error::PeerAgent {
-                            agent: link.agent.clone(),
-                            addr: link.peer_addr.to_string(),
-                            reason: "the hold's grant changed while the batch started; retry"
-                                .into(),
-                        },
-                    })
-                })?;
-                usable.grant.admits(&ops).map_err(|o| {
-                    refused(Error::OutsideHold {
-                        segment: remote.name.clone(),
-                        what: o.to_string(),
-                    })
-                })?;
-                under_hold = Some((
-                    Arc::new(uses) as Arc<dyn std::any::Any + Send + Sync>,
-                    tokio::time::Instant::from_std(usable.expires),
-                ));
-            }
-        }
-        let transport = info_span!(
-            "kvfabric.transport",
-            otel.name = format!("kvfabric.transport.{}", link.peer.transport()),
-            kvfabric.transport = %link.peer.transport(),
-            kvfabric.peer = %link.agent,
-            kvfabric.op = %t.opcode,
-            kvfabric.blocks = ops.len(),
-            kvfabric.coalesced_ops = field::Empty,
-            kvfabric.bytes = field::Empty,
-            kvfabric.duration_ms = field::Empty,
-            kvfabric.gbps = field::Empty,
-            error = field::Empty,
-            otel.status_code = field::Empty,
-        );
-        let outcome = async {
-            let mut batch = Batch::of(t.opcode, ops).with_checksum(t.checksum);
-            // Under a hold the engine presents the region keys the segment's agent gave
-            // this one (the worker never sees them); with the segment's key, that key.
-            let deadline = match under_hold {
-                None => {
-                    batch = batch.with_remote_key(AccessKey(t.remote_key));
-                    deadline
-                }
-                Some((uses, expires)) => {
-                    batch = batch.keeping(uses);
-                    // No read under the grant is still running when it ends.
-                    deadline.min(expires)
-                }
-            };
-            batch.trace = telemetry::current_trace();
-            // What is left of the batch's deadline (at least 1 ms: the engine's own timeout
-            // then reports it).
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            batch.timeout = Some(left.max(Duration::from_millis(1)));
-            let done = match link.peer.submit(batch) {
-                Ok(handle) => handle.wait().await,
-                Err(e) => Err(e),
-            };
-            let span = tracing::Span::current();
-            match &done {
-                Ok(d) => record_done(&span, d.bytes, d.coalesced_ops, d.elapsed),
-                Err(e) => record_error(&span, e),
-            }
-            done
-        }
-        .instrument(transport)
-        .await;
+        .map_err(|_| late("asking the peer agent for the segment's regions", budget))??;
+        let under_hold = self
+            .admit(t, &link, &remote, &access, &ops, deadline, budget)
+            .await?;
+        let outcome = submit(&link, t, ops, under_hold, deadline).await;
         link.batches.fetch_add(1, Ordering::Relaxed);
         match outcome {
             Ok(done) => Ok(TransferResult {
@@ -797,6 +624,104 @@ impl Node {
                 Err(e.into())
             }
         }
+    }
+
+    /// A batch has at least one op and at most the agent's limit (a table counts as its
+    /// planes × blocks).
+    fn check_size(&self, ops: &BatchOps) -> Result<()> {
+        let field = match ops {
+            BatchOps::List(_) => "ops",
+            BatchOps::Table(_) => "table",
+        };
+        if ops.is_empty() {
+            return Err(Error::invalid(
+                field,
+                0,
+                "a batch needs at least one op (a table: a plane and a block)",
+            ));
+        }
+        if ops.len() > self.config.max_batch_ops {
+            return Err(Error::invalid(
+                field,
+                ops.len(),
+                format!(
+                    "more than the agent's limit of {} block ops",
+                    self.config.max_batch_ops
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the batch may read or write the remote segment as `access` allows: with the
+    /// segment's key, every region's key must be that key; under a hold, only reads inside the
+    /// grant, while it lasts. Under a hold: the guard its batches keep (the engine holds it
+    /// until every piece is accounted for, which is what a revocation waits for) and when the
+    /// grant ends.
+    #[allow(clippy::too_many_arguments)]
+    async fn admit(
+        &self,
+        t: &Transfer,
+        link: &Link,
+        remote: &SegmentEntry,
+        access: &Access,
+        ops: &BatchOps,
+        deadline: tokio::time::Instant,
+        budget: Duration,
+    ) -> Result<Option<HeldGrant>> {
+        let slot = match access {
+            Access::Full => {
+                let wrong = |r: &SegmentRegion| {
+                    link.peer
+                        .region_key(r.id)
+                        .is_some_and(|k| k != AccessKey(t.remote_key))
+                };
+                if remote.regions.iter().any(wrong) {
+                    return Err(Error::WrongKey {
+                        name: remote.name.clone(),
+                    });
+                }
+                return Ok(None);
+            }
+            Access::Hold(slot) => slot,
+        };
+        let refused = |e: Error| {
+            self.metrics.hold_refused_batches.inc();
+            e
+        };
+        if t.opcode != Opcode::Read {
+            return Err(refused(Error::OutsideHold {
+                segment: remote.name.clone(),
+                what: "a hold grants reads only".into(),
+            }));
+        }
+        let uses = tokio::time::timeout_at(deadline, slot.uses.clone().read_owned())
+            .await
+            .map_err(|_| late("waiting for the hold's revocation", budget))?;
+        let usable = slot.usable().map_err(|why| {
+            refused(match why {
+                Unusable::Ended => Error::HoldEnded {
+                    segment: remote.name.clone(),
+                },
+                // Dropped from the table between the question and now (a sweep of an
+                // expired grant, a key found to be no hold's): the worker retries.
+                Unusable::Retry => Error::PeerAgent {
+                    agent: link.agent.clone(),
+                    addr: link.peer_addr.to_string(),
+                    reason: "the hold's grant changed while the batch started; retry".into(),
+                },
+            })
+        })?;
+        usable.grant.admits(ops).map_err(|o| {
+            refused(Error::OutsideHold {
+                segment: remote.name.clone(),
+                what: o.to_string(),
+            })
+        })?;
+        Ok(Some(HeldGrant {
+            uses: Arc::new(uses),
+            expires: tokio::time::Instant::from_std(usable.expires),
+        }))
     }
 
     /// The exchange an rdma link to `agent` is set up (and rebuilt) through, or why rdma is not
@@ -1416,6 +1341,135 @@ fn hold_ttl(ttl_ms: u64) -> Result<Duration> {
         ));
     }
     Ok(Duration::from_millis(ttl_ms))
+}
+
+/// A hold's guard, kept by the batch's pieces, and when the grant ends.
+struct HeldGrant {
+    uses: Arc<dyn std::any::Any + Send + Sync>,
+    expires: tokio::time::Instant,
+}
+
+fn late(during: &'static str, budget: Duration) -> Error {
+    Error::Deadline {
+        during,
+        millis: budget.as_millis() as u64,
+    }
+}
+
+/// The batch's ops with the segments' region indexes turned into the engines' region ids, once
+/// per op or once per plane; and whether every region on both sides is GPU memory.
+fn resolve_regions(
+    local: &LocalSegment,
+    remote: &SegmentEntry,
+    ops: &BatchOps,
+) -> Result<(BatchOps, bool)> {
+    let mut gpu_only = true;
+    let mut resolve = |field: String, l: RegionId, r: RegionId| {
+        let lr = local.regions.get(l.0 as usize).ok_or_else(|| {
+            index_error(
+                format!("{field}local_region"),
+                l.0,
+                &local.name,
+                local.regions.len(),
+            )
+        })?;
+        let rr = remote.regions.get(r.0 as usize).ok_or_else(|| {
+            index_error(
+                format!("{field}remote_region"),
+                r.0,
+                &remote.name,
+                remote.regions.len(),
+            )
+        })?;
+        gpu_only &= matches!(lr.location(), Location::Cuda { .. })
+            && matches!(rr.location, Location::Cuda { .. });
+        Ok::<_, Error>((lr.id(), rr.id))
+    };
+    let ops = match ops {
+        BatchOps::List(list) => {
+            let mut ops = Vec::with_capacity(list.len());
+            for (i, o) in list.iter().enumerate() {
+                let (l, r) = resolve(format!("ops[{i}]."), o.local_region, o.remote_region)?;
+                ops.push(BlockOp {
+                    local_region: l,
+                    remote_region: r,
+                    ..*o
+                });
+            }
+            BatchOps::List(ops)
+        }
+        BatchOps::Table(table) => {
+            let mut table = table.clone();
+            for (i, p) in table.planes.iter_mut().enumerate() {
+                let (l, r) = resolve(
+                    format!("table.planes[{i}]."),
+                    p.local.region,
+                    p.remote.region,
+                )?;
+                (p.local.region, p.remote.region) = (l, r);
+            }
+            BatchOps::Table(table)
+        }
+    };
+    Ok((ops, gpu_only))
+}
+
+/// The batch on the link's engine peer, in a `kvfabric.transport` span that records what it
+/// moved or why it failed.
+async fn submit(
+    link: &Link,
+    t: &Transfer,
+    ops: BatchOps,
+    under_hold: Option<HeldGrant>,
+    deadline: tokio::time::Instant,
+) -> kvfabric_engine::Result<kvfabric_engine::BatchResult> {
+    let transport = info_span!(
+        "kvfabric.transport",
+        otel.name = format!("kvfabric.transport.{}", link.peer.transport()),
+        kvfabric.transport = %link.peer.transport(),
+        kvfabric.peer = %link.agent,
+        kvfabric.op = %t.opcode,
+        kvfabric.blocks = ops.len(),
+        kvfabric.coalesced_ops = field::Empty,
+        kvfabric.bytes = field::Empty,
+        kvfabric.duration_ms = field::Empty,
+        kvfabric.gbps = field::Empty,
+        error = field::Empty,
+        otel.status_code = field::Empty,
+    );
+    async {
+        let mut batch = Batch::of(t.opcode, ops).with_checksum(t.checksum);
+        // Under a hold the engine presents the region keys the segment's agent gave this one
+        // (the worker never sees them); with the segment's key, that key.
+        let deadline = match under_hold {
+            None => {
+                batch = batch.with_remote_key(AccessKey(t.remote_key));
+                deadline
+            }
+            Some(held) => {
+                batch = batch.keeping(held.uses);
+                // No read under the grant is still running when it ends.
+                deadline.min(held.expires)
+            }
+        };
+        batch.trace = telemetry::current_trace();
+        // What is left of the batch's deadline (at least 1 ms: the engine's own timeout then
+        // reports it).
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        batch.timeout = Some(left.max(Duration::from_millis(1)));
+        let done = match link.peer.submit(batch) {
+            Ok(handle) => handle.wait().await,
+            Err(e) => Err(e),
+        };
+        let span = tracing::Span::current();
+        match &done {
+            Ok(d) => record_done(&span, d.bytes, d.coalesced_ops, d.elapsed),
+            Err(e) => record_error(&span, e),
+        }
+        done
+    }
+    .instrument(transport)
+    .await
 }
 
 fn index_error(field: String, index: u64, segment: &str, count: usize) -> Error {
