@@ -127,7 +127,7 @@ pub struct Agent {
     follow: JoinHandle<()>,
     api_stop: watch::Sender<bool>,
     data_stop: watch::Sender<bool>,
-    api_tasks: Vec<JoinHandle<std::result::Result<(), tonic::transport::Error>>>,
+    api_tasks: Vec<ApiTask>,
     fd_task: JoinHandle<()>,
     sweep_task: JoinHandle<()>,
     tls_watch: Option<JoinHandle<()>>,
@@ -135,6 +135,83 @@ pub struct Agent {
     metrics_task: JoinHandle<std::io::Result<()>>,
     /// When the data plane last served a chunk to a peer.
     served: Arc<LastServed>,
+}
+
+/// Resolves once the stop signal `rx` watches is raised.
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+type ApiTask = JoinHandle<std::result::Result<(), tonic::transport::Error>>;
+
+/// The local API (workers, on the Unix socket) and the peer API (other agents, on TCP), each
+/// with its request-size limits and accept caps, until `api_rx` says stop.
+fn api_servers(
+    config: &AgentConfig,
+    local: UnixListener,
+    peer: TcpListener,
+    node: &Arc<Node>,
+    health: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
+    api_rx: &watch::Receiver<bool>,
+) -> Vec<ApiTask> {
+    let metrics = &node.metrics;
+    let submit_limit = max_submit_bytes(config.max_batch_ops);
+    let local_svc = LocalAgentServer::new(LocalApi { node: node.clone() })
+        .max_decoding_message_size(submit_limit.max(MAX_CREATE_HOLD_BYTES));
+    // The token is checked on the headers, before the body is read; a call that passes
+    // marks its connection authenticated, which the peer port's accept loop never sheds.
+    let peer_svc = InterceptedService::new(
+        PeerAgentServer::new(PeerApi { node: node.clone() })
+            .max_decoding_message_size(MAX_PEER_REQUEST_BYTES),
+        PeerToken::interceptor(config.peer_token.clone()),
+    );
+    let refused = metrics.accept_errors.clone();
+    let local_task = tokio::spawn(
+        grpc_server()
+            .layer(message_limit::layer(move |method| match method {
+                SUBMIT_METHOD => submit_limit,
+                CREATE_HOLD_METHOD => MAX_CREATE_HOLD_BYTES,
+                _ => MAX_LOCAL_REQUEST_BYTES,
+            }))
+            .add_service(health.clone())
+            .add_service(local_svc)
+            .serve_with_incoming_shutdown(
+                // grpcio's `:authority` for a Unix socket is made acceptable to h2.
+                incoming::capped(
+                    local,
+                    incoming::LOCAL,
+                    metrics.shedding(incoming::LOCAL.port),
+                    refused.clone(),
+                )
+                .map_ok(AuthorityRewrite::new),
+                stopped(api_rx.clone()),
+            ),
+    );
+    let peer_router = grpc_server()
+        .layer(message_limit::layer(|_| MAX_PEER_REQUEST_BYTES))
+        .add_service(health)
+        .add_service(peer_svc);
+    let peer_conns = incoming::capped(
+        peer,
+        incoming::PEER,
+        metrics.shedding(incoming::PEER.port),
+        refused,
+    );
+    // With mTLS, a client certificate of the fabric's CA carrying the fabric's name is
+    // required before the first byte of HTTP/2 is read (the token is checked after, on the
+    // headers); the handshake is done here so that a renewed certificate is used at once.
+    let peer_task = match &config.tls {
+        None => tokio::spawn(
+            peer_router.serve_with_incoming_shutdown(peer_conns, stopped(api_rx.clone())),
+        ),
+        Some(tls) => tokio::spawn(
+            peer_router
+                .serve_with_incoming_shutdown(tls.accept(peer_conns), stopped(api_rx.clone())),
+        ),
+    };
+    vec![local_task, peer_task]
 }
 
 /// How long the data plane must have served nothing before a draining agent takes its memory
@@ -313,9 +390,6 @@ impl Agent {
         // finish), the data plane last (peers finish the batches they run against our memory).
         let (api_stop, api_rx) = watch::channel(false);
         let (data_stop, data_rx) = watch::channel(false);
-        let stopped = |mut rx: watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|s| *s).await;
-        };
         let data_tasks = vec![
             tokio::spawn({
                 let (e, s) = (engine.clone(), stopped(data_rx.clone()));
@@ -329,60 +403,14 @@ impl Agent {
         // Not ready (health and /healthz) until the agent is in the registry.
         let (health, health_svc) = tonic_health::server::health_reporter();
         let readiness = Readiness::new(health).await;
-        let submit_limit = max_submit_bytes(config.max_batch_ops);
-        let local_svc = LocalAgentServer::new(LocalApi { node: node.clone() })
-            .max_decoding_message_size(submit_limit.max(MAX_CREATE_HOLD_BYTES));
-        // The token is checked on the headers, before the body is read; a call that passes
-        // marks its connection authenticated, which the peer port's accept loop never sheds.
-        let peer_svc = InterceptedService::new(
-            PeerAgentServer::new(PeerApi { node: node.clone() })
-                .max_decoding_message_size(MAX_PEER_REQUEST_BYTES),
-            PeerToken::interceptor(config.peer_token.clone()),
-        );
-        let refused = node.metrics.accept_errors.clone();
-        let mut api_tasks = vec![tokio::spawn(
-            grpc_server()
-                .layer(message_limit::layer(move |method| match method {
-                    SUBMIT_METHOD => submit_limit,
-                    CREATE_HOLD_METHOD => MAX_CREATE_HOLD_BYTES,
-                    _ => MAX_LOCAL_REQUEST_BYTES,
-                }))
-                .add_service(health_svc.clone())
-                .add_service(local_svc)
-                .serve_with_incoming_shutdown(
-                    // grpcio's `:authority` for a Unix socket is made acceptable to h2.
-                    incoming::capped(
-                        listeners.local,
-                        incoming::LOCAL,
-                        metrics.shedding(incoming::LOCAL.port),
-                        refused.clone(),
-                    )
-                    .map_ok(AuthorityRewrite::new),
-                    stopped(api_rx.clone()),
-                ),
-        )];
-        let peer_router = grpc_server()
-            .layer(message_limit::layer(|_| MAX_PEER_REQUEST_BYTES))
-            .add_service(health_svc)
-            .add_service(peer_svc);
-        let peer_conns = incoming::capped(
+        let api_tasks = api_servers(
+            &config,
+            listeners.local,
             listeners.peer,
-            incoming::PEER,
-            metrics.shedding(incoming::PEER.port),
-            refused,
+            &node,
+            health_svc,
+            &api_rx,
         );
-        // With mTLS, a client certificate of the fabric's CA carrying the fabric's name is
-        // required before the first byte of HTTP/2 is read (the token is checked after, on the
-        // headers); the handshake is done here so that a renewed certificate is used at once.
-        api_tasks.push(match &config.tls {
-            None => tokio::spawn(
-                peer_router.serve_with_incoming_shutdown(peer_conns, stopped(api_rx.clone())),
-            ),
-            Some(tls) => tokio::spawn(
-                peer_router
-                    .serve_with_incoming_shutdown(tls.accept(peer_conns), stopped(api_rx.clone())),
-            ),
-        });
         // The data port uses the certificate until the very end, so the files are watched
         // until then.
         let tls_watch = config.tls.clone().map(|tls| {
@@ -412,9 +440,6 @@ impl Agent {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
 
-        let started_at = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
         let own = AgentEntry {
             name: name.clone(),
             pool: config.pool.clone(),
@@ -422,7 +447,9 @@ impl Agent {
             node: engine.config().node.clone(),
             peer_addr,
             devices,
-            started_at,
+            started_at: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
             instance: rand::random(),
         };
         node.set_own_entry(own.clone());
