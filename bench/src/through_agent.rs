@@ -190,65 +190,8 @@ pub async fn run(
         })
         .collect();
 
-    // Through two agents.
-    let store = MemoryStore::new();
-    let tls_dir = tempfile::tempdir().map_err(|e| Error::io("tls dir", e))?;
-    let tls = if args.tls {
-        let ca = kvfabric_testkit::TestCa::new("kvfabric bench");
-        let name = kvfabric_proto::contract::tls_server_name(
-            "bench",
-            kvfabric_proto::contract::DEFAULT_NAMESPACE,
-        );
-        ca.write_dir(tls_dir.path(), &ca.issue(&[&name]))?;
-        Some(kvfabric_agent::peer_tls::PeerTls::from_dir(
-            tls_dir.path(),
-            &name,
-        )?)
-    } else {
-        None
-    };
-    let config = |name: &str, tls: Option<kvfabric_agent::peer_tls::PeerTls>| {
-        let mut c = InProcessAgent::config(name);
-        c.fabric = "bench".into();
-        c.transports = vec![TransportKind::Tcp];
-        c.tcp_connections = args.connections;
-        c.tcp_buffer = args.tcp_buffer;
-        c.tls = tls;
-        c
-    };
-    let mut pairs = Vec::new();
-    for (suffix, tls) in [("", None)]
-        .into_iter()
-        .chain(tls.map(|t| ("-tls", Some(t))))
-    {
-        let a = InProcessAgent::start(
-            config(&format!("bench-prefill{suffix}"), tls.clone()),
-            store.registry(),
-            telemetry.clone(),
-        )
-        .await?;
-        let b = InProcessAgent::start(
-            config(&format!("bench-decode{suffix}"), tls),
-            store.registry(),
-            telemetry.clone(),
-        )
-        .await?;
-        let prefill = Client::connect(a.socket_dir()).await?;
-        let decode = Client::connect(b.socket_dir()).await?;
-        let src_name = format!("bench-kv-src{suffix}");
-        let dst_name = format!("bench-kv-dst{suffix}");
-        let p = prefill.register(&src_name, &[&src], None).await?;
-        let d = decode.register(&dst_name, &[&dst], None).await?;
-        pairs.push(Pair {
-            agents: [a, b],
-            prefill,
-            decode,
-            p,
-            d,
-            src_name,
-            dst_name,
-        });
-    }
+    // Through two agents (and two more with mTLS).
+    let (pairs, _tls_dir) = agent_pairs(args, telemetry, &src, &dst).await?;
 
     let slice = Duration::from_secs_f64((args.duration / ROUNDS as f64).max(0.5));
     let (mut engine_gbps, mut agent_gbps, mut tls_gbps) = (Vec::new(), Vec::new(), Vec::new());
@@ -324,6 +267,37 @@ pub async fn run(
         source.verify(unsafe { src.as_slice() }),
     ));
     let verified = settle("through-agent (tcp, loopback)", verdicts)?;
+    let rates = Rates {
+        engine: engine_gbps,
+        agents: agent_gbps,
+        tls: tls_gbps,
+    };
+    Ok(report(args, telemetry, block, per_batch, rates, verified))
+}
+
+/// Each phase's rounds, GB/s.
+struct Rates {
+    engine: Vec<f64>,
+    agents: Vec<f64>,
+    tls: Vec<f64>,
+}
+
+/// The medians and ratios of the rounds; with mTLS, AES-GCM's rate measured now and the bound
+/// it implies.
+fn report(
+    args: &BenchArgs,
+    telemetry: &Telemetry,
+    block: u64,
+    per_batch: usize,
+    rates: Rates,
+    verified: u64,
+) -> Report {
+    let Rates {
+        engine: engine_gbps,
+        agents: agent_gbps,
+        tls: tls_gbps,
+    } = rates;
+    let write = args.op == Some(OpArg::Write);
     let (e, a) = (
         median(&mut engine_gbps.clone()),
         median(&mut agent_gbps.clone()),
@@ -332,7 +306,7 @@ pub async fn run(
     let aead = t.map(|_| kvfabric_engine::seal_gbps(Duration::from_millis(300)));
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let bound = aead.map(|x| (1.0 / (1.0 / a + 2.0 / (x * cores))).min(a));
-    Ok(Report {
+    Report {
         block_size: block,
         blocks_per_batch: per_batch,
         concurrency: args.concurrency,
@@ -351,7 +325,77 @@ pub async fn run(
         tracing: telemetry.tracing_enabled(),
         spans_exported: telemetry.counters.exported.get(),
         spans_dropped: telemetry.counters.dropped.get(),
-    })
+    }
+}
+
+/// A pair of agents with plaintext ports and, with `--tls`, a pair with mTLS on both ports
+/// (certificates of a throwaway CA, in the directory returned: the agents watch it until they
+/// stop). The prefill's worker registers `src`, the decode's `dst`.
+async fn agent_pairs(
+    args: &BenchArgs,
+    telemetry: &Telemetry,
+    src: &HostMemory,
+    dst: &HostMemory,
+) -> Result<(Vec<Pair>, tempfile::TempDir)> {
+    let store = MemoryStore::new();
+    let tls_dir = tempfile::tempdir().map_err(|e| Error::io("tls dir", e))?;
+    let tls = if args.tls {
+        let ca = kvfabric_testkit::TestCa::new("kvfabric bench");
+        let name = kvfabric_proto::contract::tls_server_name(
+            "bench",
+            kvfabric_proto::contract::DEFAULT_NAMESPACE,
+        );
+        ca.write_dir(tls_dir.path(), &ca.issue(&[&name]))?;
+        Some(kvfabric_agent::peer_tls::PeerTls::from_dir(
+            tls_dir.path(),
+            &name,
+        )?)
+    } else {
+        None
+    };
+    let config = |name: &str, tls: Option<kvfabric_agent::peer_tls::PeerTls>| {
+        let mut c = InProcessAgent::config(name);
+        c.fabric = "bench".into();
+        c.transports = vec![TransportKind::Tcp];
+        c.tcp_connections = args.connections;
+        c.tcp_buffer = args.tcp_buffer;
+        c.tls = tls;
+        c
+    };
+    let mut pairs = Vec::new();
+    for (suffix, tls) in [("", None)]
+        .into_iter()
+        .chain(tls.map(|t| ("-tls", Some(t))))
+    {
+        let a = InProcessAgent::start(
+            config(&format!("bench-prefill{suffix}"), tls.clone()),
+            store.registry(),
+            telemetry.clone(),
+        )
+        .await?;
+        let b = InProcessAgent::start(
+            config(&format!("bench-decode{suffix}"), tls),
+            store.registry(),
+            telemetry.clone(),
+        )
+        .await?;
+        let prefill = Client::connect(a.socket_dir()).await?;
+        let decode = Client::connect(b.socket_dir()).await?;
+        let src_name = format!("bench-kv-src{suffix}");
+        let dst_name = format!("bench-kv-dst{suffix}");
+        let p = prefill.register(&src_name, &[src], None).await?;
+        let d = decode.register(&dst_name, &[dst], None).await?;
+        pairs.push(Pair {
+            agents: [a, b],
+            prefill,
+            decode,
+            p,
+            d,
+            src_name,
+            dst_name,
+        });
+    }
+    Ok((pairs, tls_dir))
 }
 
 /// Two agents with a worker each: the prefill's holds the source pool, the decode's the
