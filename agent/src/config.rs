@@ -90,6 +90,11 @@ pub struct AgentArgs {
     #[arg(long, env = env::TLS_DATA_PORT, default_value_t = true, action = clap::ArgAction::Set)]
     pub tls_data_port: bool,
 
+    /// With TLS on the data port, records sealed by the kernel where it offers TLS (kernel TLS);
+    /// `false` keeps them in userspace. Peers need not agree: the records are the same.
+    #[arg(long, env = env::TLS_KERNEL_RECORDS, default_value_t = true, action = clap::ArgAction::Set)]
+    pub tls_kernel_records: bool,
+
     /// Directory with ca.crt (and tls.crt + tls.key for a client certificate).
     #[arg(long, env = env::ETCD_TLS_DIR)]
     pub etcd_tls_dir: Option<PathBuf>,
@@ -241,6 +246,8 @@ pub struct AgentConfig {
     pub tls: Option<PeerTls>,
     /// With `tls`, TLS on the tcp data port too.
     pub tls_data_port: bool,
+    /// Data port records sealed by the kernel where it offers TLS.
+    pub tls_kernel_records: bool,
     pub socket_dir: PathBuf,
     pub socket_group: Option<u32>,
     pub socket_mode: u32,
@@ -355,6 +362,7 @@ impl AgentArgs {
             peer_token,
             tls,
             tls_data_port: self.tls_data_port,
+            tls_kernel_records: self.tls_kernel_records,
             socket_dir: self.socket_dir,
             socket_group: self.socket_group,
             socket_mode: self.socket_mode,
@@ -437,6 +445,7 @@ impl AgentConfig {
                 "ca": t.ca_path,
                 "name": t.name,
                 "data_port": self.tls_data_port,
+                "kernel_records": self.tls_kernel_records,
             })),
             "socket_dir": self.socket_dir,
             "socket_group": self.socket_group,
@@ -470,6 +479,7 @@ impl AgentConfig {
             peer_token: None,
             tls: None,
             tls_data_port: true,
+            tls_kernel_records: true,
             socket_dir: socket_dir.into(),
             socket_group: None,
             socket_mode: 0o660,
@@ -816,6 +826,13 @@ mod tests {
         let config = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert!(!config.tls_data_port);
         assert_eq!(config.summary()["tls"]["data_port"], false);
+        // Kernel TLS for the records where offered, unless turned off.
+        assert!(on.tls_kernel_records);
+        assert_eq!(on.summary()["tls"]["kernel_records"], true);
+        flags.extend(["--tls-kernel-records".into(), "false".into()]);
+        let config = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert!(!config.tls_kernel_records);
+        assert_eq!(config.summary()["tls"]["kernel_records"], false);
     }
 
     /// The name of the fabric `validate` makes (the defaults).

@@ -292,7 +292,10 @@ fn engine_config(config: &AgentConfig, observer: Arc<ServedSpans>) -> EngineConf
             .tls
             .as_ref()
             .filter(|_| config.tls_data_port)
-            .map(|t| t.data.clone()),
+            .map(|t| match config.tls_kernel_records {
+                true => t.data.clone(),
+                false => t.data.clone().userspace_records(),
+            }),
         batch_timeout: config.batch_timeout,
         max_batch_ops: config.max_batch_ops,
         cuda_path: config.cuda_path,
@@ -354,7 +357,8 @@ impl Agent {
         let metrics: SharedMetrics = Arc::new(Metrics::new(&telemetry.counters));
         let served = Arc::new(LastServed::new());
         if config.tls.is_some() && config.tls_data_port {
-            info!(records = %kvfabric_engine::RecordLayer::probe().describe(), "tcp data port TLS");
+            let layer = kvfabric_engine::RecordLayer::chosen(config.tls_kernel_records);
+            info!(records = %layer.describe(), "tcp data port TLS");
         }
         let observer = Arc::new(ServedSpans {
             agent: name.clone(),

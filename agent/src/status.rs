@@ -77,7 +77,7 @@ pub(crate) async fn collect(node: &Node) -> StatusDoc {
             .engine
             .config()
             .tls
-            .is_some()
-            .then(|| kvfabric_engine::RecordLayer::probe().describe()),
+            .as_ref()
+            .map(|t| t.record_layer().describe()),
     }
 }

@@ -53,6 +53,8 @@ pub struct Report {
     /// What mTLS can reach here: the plaintext path's CPU time per byte plus one seal and one
     /// open per byte at `aead_gbps`, spread over every core (never above plaintext), GB/s.
     pub tls_bound_gbps: Option<f64>,
+    /// With `--tls`: where the data port's records were sealed.
+    pub tls_records: Option<String>,
     /// Bytes compared with what they must hold: the destination after every phase, the source
     /// at the end.
     pub verified: u64,
@@ -321,6 +323,8 @@ fn report(
         tls_ratio: t.map(|t| t / a),
         aead_gbps: aead,
         tls_bound_gbps: bound,
+        tls_records: t
+            .map(|_| kvfabric_engine::RecordLayer::chosen(args.tls_kernel_records).describe()),
         verified,
         tracing: telemetry.tracing_enabled(),
         spans_exported: telemetry.counters.exported.get(),
@@ -360,6 +364,7 @@ async fn agent_pairs(
         c.tcp_connections = args.connections;
         c.tcp_buffer = args.tcp_buffer;
         c.tls = tls;
+        c.tls_kernel_records = args.tls_kernel_records;
         c
     };
     let mut pairs = Vec::new();
@@ -529,10 +534,11 @@ pub fn table(r: &Report) -> String {
         (Some(x), Some(m), Some(bound), Some(aead)) => format!(
             "\nmTLS through the agents: {:.1}% of plaintext through the agents (target ≥ 80%); \
              {:.1}% of what {} cores can do ({bound:.2} GB/s: plaintext's CPU per byte plus one \
-             seal and one open at {aead:.2} GB/s, AES-128-GCM on one core, measured now)",
+             seal and one open at {aead:.2} GB/s, AES-128-GCM on one core, measured now); {}",
             x * 100.0,
             m / bound * 100.0,
             std::thread::available_parallelism().map_or(1, |n| n.get()),
+            r.tls_records.as_deref().unwrap_or_default(),
         ),
         _ => String::new(),
     };

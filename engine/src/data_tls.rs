@@ -20,12 +20,15 @@ use rustls::{
 };
 
 use crate::error::{Error, Result};
+use crate::transport::kernel_tls::RecordLayer;
 
 /// Both sides' rustls configurations ([`provider`]); clones share them, and an update of one
 /// is seen by all.
 #[derive(Clone)]
 pub struct DataTls {
     current: Arc<RwLock<Arc<Configs>>>,
+    /// Records sealed by the kernel where it offers TLS ([`RecordLayer`]).
+    kernel_records: bool,
 }
 
 pub(crate) struct Configs {
@@ -118,7 +121,19 @@ impl DataTls {
                 server: Arc::new(server),
                 server_name,
             }))),
+            kernel_records: true,
         })
+    }
+
+    /// Records sealed and opened in userspace even where the kernel offers TLS.
+    pub fn userspace_records(mut self) -> DataTls {
+        self.kernel_records = false;
+        self
+    }
+
+    /// Where this configuration's connections seal their records.
+    pub fn record_layer(&self) -> RecordLayer {
+        RecordLayer::chosen(self.kernel_records)
     }
 
     /// From now on, new connections (of this value and every clone of it) use `newer`'s

@@ -42,6 +42,9 @@ pub mod env {
     pub const TLS_CA: &str = "KVFABRIC_TLS_CA";
     /// With mTLS, TLS on the tcp data port too (`true`, the default, or `false`).
     pub const TLS_DATA_PORT: &str = "KVFABRIC_TLS_DATA_PORT";
+    /// With TLS on the data port, records sealed by the kernel where it offers TLS (`true`, the
+    /// default) or always in userspace (`false`).
+    pub const TLS_KERNEL_RECORDS: &str = "KVFABRIC_TLS_KERNEL_RECORDS";
     pub const LEASE_TTL_SECS: &str = "KVFABRIC_LEASE_TTL_SECS";
     pub const SOCKET_DIR: &str = "KVFABRIC_SOCKET_DIR";
     /// Numeric group id the agent gives its sockets.

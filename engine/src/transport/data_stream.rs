@@ -7,6 +7,7 @@
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,7 @@ use rustls::server::UnbufferedServerConnection;
 use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
 
 use super::io::{Socket, SpinReader, Until};
+use super::kernel_tls::{CryptoInfo, KernelRx, KernelTx, RecordLayer, hand_over_rx, hand_over_tx};
 use super::tls_record::{Kernel, Key, Keys, MAX_PLAIN, Opener, Sealer};
 use crate::data_tls::DataTls;
 
@@ -26,7 +28,10 @@ const HANDSHAKE_MAX: usize = 256 << 10;
 /// A data connection before it is split into the writer's and the reader's halves.
 pub(crate) enum DataStream {
     Plain(TcpStream),
+    /// TLS records sealed and opened by the transport's threads.
     Tls(Box<TlsStream>),
+    /// TLS records sealed and opened by the kernel.
+    Kernel(Box<KernelStream>),
 }
 
 /// Both directions of a TLS data connection, for the handshake and the server's control path.
@@ -34,6 +39,13 @@ pub(crate) struct TlsStream {
     sock: TcpStream,
     seal: Sealing,
     opener: Opener,
+}
+
+/// A TLS data connection whose records the kernel seals and opens.
+pub(crate) struct KernelStream {
+    sock: TcpStream,
+    rx: KernelRx,
+    tx: KernelTx,
 }
 
 struct Sealing {
@@ -60,7 +72,15 @@ impl DataStream {
         let (secrets, kernel) = conn
             .dangerous_into_kernel_connection()
             .map_err(io::Error::other)?;
-        TlsStream::stream(sock, secrets, Kernel::Client(kernel), early)
+        let layer = tls.record_layer();
+        TlsStream::stream(
+            sock,
+            secrets,
+            Kernel::Client(kernel),
+            early,
+            layer,
+            deadline,
+        )
     }
 
     /// The target's side: TLS over `sock` when `tls` is set, requiring a client certificate.
@@ -79,7 +99,15 @@ impl DataStream {
         let (secrets, kernel) = conn
             .dangerous_into_kernel_connection()
             .map_err(io::Error::other)?;
-        TlsStream::stream(sock, secrets, Kernel::Server(kernel), early)
+        let layer = tls.record_layer();
+        TlsStream::stream(
+            sock,
+            secrets,
+            Kernel::Server(kernel),
+            early,
+            layer,
+            deadline,
+        )
     }
 
     /// From here on batches carry their own deadlines.
@@ -92,6 +120,7 @@ impl DataStream {
         match self {
             DataStream::Plain(s) => s,
             DataStream::Tls(t) => &t.sock,
+            DataStream::Kernel(k) => &k.sock,
         }
     }
 
@@ -103,7 +132,7 @@ impl DataStream {
                 Ok((
                     DataWriter {
                         sock: s,
-                        seal: None,
+                        seal: Seal::Plain,
                     },
                     reader,
                 ))
@@ -114,7 +143,18 @@ impl DataStream {
                 Ok((
                     DataWriter {
                         sock,
-                        seal: Some(Mutex::new(seal)),
+                        seal: Seal::User(Mutex::new(seal)),
+                    },
+                    reader,
+                ))
+            }
+            DataStream::Kernel(k) => {
+                let KernelStream { sock, rx, tx } = *k;
+                let reader = SpinReader::with_kernel(sock.try_clone()?, rx);
+                Ok((
+                    DataWriter {
+                        sock,
+                        seal: Seal::Kernel(Mutex::new(tx)),
                     },
                     reader,
                 ))
@@ -124,23 +164,70 @@ impl DataStream {
 }
 
 impl TlsStream {
-    /// The stream rustls' handshake left: its secrets, its kernel half, the bytes behind it.
+    /// The stream rustls' handshake left: its secrets, its kernel half, the bytes behind it;
+    /// its records sealed by `layer` (by the kernel where it takes the keys).
     fn stream(
         sock: TcpStream,
         secrets: rustls::ExtractedSecrets,
         kernel: Kernel,
         early: Early,
+        layer: RecordLayer,
+        deadline: Instant,
     ) -> io::Result<DataStream> {
         let keys = Keys::new(kernel);
-        let tx = Key::new(secrets.tx)?;
-        let rx = Key::new(secrets.rx)?;
+        let (tx, rx) = (secrets.tx, secrets.rx);
+        let mut opener = Opener::new(
+            Key::new(rx.0, &rx.1)?,
+            keys.clone(),
+            &early.plain,
+            &early.raw,
+        );
+        if let RecordLayer::Kernel { .. } = layer {
+            let tx_info = CryptoInfo::new(tx.0, &tx.1)?;
+            match hand_over_tx(&sock, &tx_info) {
+                Ok(()) => {
+                    let mut rx_info = CryptoInfo::new(rx.0, &rx.1)?;
+                    return KernelStream::start(sock, keys, &mut opener, &mut rx_info, deadline);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "kernel TLS refused the key: records sealed in userspace");
+                }
+            }
+        }
         Ok(DataStream::Tls(Box::new(TlsStream {
             sock,
             seal: Sealing {
-                sealer: Sealer::new(tx, keys.clone()),
+                sealer: Sealer::new(Key::new(tx.0, &tx.1)?, keys),
                 out: Vec::new(),
             },
-            opener: Opener::new(rx, keys, &early.plain, &early.raw),
+            opener,
+        })))
+    }
+}
+
+impl KernelStream {
+    /// The kernel seals already; the records that came behind the handshake are opened here,
+    /// and the kernel opens from the next one on.
+    fn start(
+        mut sock: TcpStream,
+        keys: std::sync::Arc<Keys>,
+        opener: &mut Opener,
+        rx: &mut CryptoInfo,
+        deadline: Instant,
+    ) -> io::Result<DataStream> {
+        let (held, seq) = opener.drain(|b| {
+            Until {
+                s: &mut sock,
+                deadline,
+            }
+            .read_exact(b)
+        })?;
+        rx.at_seq(seq);
+        hand_over_rx(&sock, rx)?;
+        Ok(DataStream::Kernel(Box::new(KernelStream {
+            sock,
+            rx: KernelRx::new(keys.clone(), held),
+            tx: KernelTx::new(keys),
         })))
     }
 }
@@ -320,6 +407,11 @@ impl Read for DataStream {
                 t.opener
                     .read(&mut [IoSliceMut::new(buf)], |b| (&*sock).read(b))
             }
+            DataStream::Kernel(k) => k.rx.read(
+                k.sock.as_fd(),
+                &mut [IoSliceMut::new(buf)],
+                rustix::net::RecvFlags::empty(),
+            ),
         }
     }
 }
@@ -333,6 +425,7 @@ impl Write for DataStream {
         match self {
             DataStream::Plain(s) => s.write_vectored(bufs),
             DataStream::Tls(t) => t.seal.write_vectored(&t.sock, bufs),
+            DataStream::Kernel(k) => k.tx.write_vectored(&k.sock, bufs),
         }
     }
 
@@ -361,7 +454,7 @@ impl Socket for DataStream {
         match self {
             DataStream::Plain(s) => s.try_clone().map(DataStream::Plain),
             // One session cannot be written from two places.
-            DataStream::Tls(_) => Err(io::ErrorKind::Unsupported.into()),
+            DataStream::Tls(_) | DataStream::Kernel(_) => Err(io::ErrorKind::Unsupported.into()),
         }
     }
 }
@@ -371,7 +464,19 @@ impl Socket for DataStream {
 #[derive(Debug)]
 pub(crate) struct DataWriter {
     sock: TcpStream,
-    seal: Option<Mutex<Sealing>>,
+    seal: Seal,
+}
+
+/// Who seals what the writer writes.
+#[derive(Debug)]
+enum Seal {
+    Plain,
+    User(Mutex<Sealing>),
+    Kernel(Mutex<KernelTx>),
+}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl std::fmt::Debug for Sealing {
@@ -389,19 +494,20 @@ impl DataWriter {
     pub(crate) fn lock(&self) -> Out<'_> {
         Out {
             sock: &self.sock,
-            seal: self
-                .seal
-                .as_ref()
-                .map(|m| m.lock().unwrap_or_else(PoisonError::into_inner)),
+            seal: match &self.seal {
+                Seal::Plain => OutSeal::Plain,
+                Seal::User(m) => OutSeal::User(locked(m)),
+                Seal::Kernel(m) => OutSeal::Kernel(locked(m)),
+            },
         }
     }
 
-    /// `plain` as the bytes to put on the wire (sealed, under TLS).
+    /// `plain` as the bytes to put on the wire (sealed, under TLS in userspace).
     pub(crate) fn wire_bytes(&self, plain: Vec<u8>) -> io::Result<Vec<u8>> {
-        let Some(seal) = &self.seal else {
+        let Seal::User(seal) = &self.seal else {
             return Ok(plain);
         };
-        let mut seal = seal.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut seal = locked(seal);
         let mut out = Vec::with_capacity(plain.len() + plain.len() / MAX_PLAIN * 22 + 22);
         seal.sealer
             .seal(&[IoSlice::new(&plain)], plain.len(), &mut out)?;
@@ -411,7 +517,17 @@ impl DataWriter {
     /// Says close_notify to a TLS peer, if nobody is writing now (best effort: the socket is
     /// shut down next either way).
     pub(crate) fn close_notify(&self) {
-        let Some(Ok(mut seal)) = self.seal.as_ref().map(|m| m.try_lock()) else {
+        let seal = match &self.seal {
+            Seal::Plain => return,
+            Seal::Kernel(m) => {
+                if let Ok(mut tx) = m.try_lock() {
+                    tx.close_notify(self.sock.as_fd());
+                }
+                return;
+            }
+            Seal::User(m) => m.try_lock(),
+        };
+        let Ok(mut seal) = seal else {
             return;
         };
         let mut out = Vec::new();
@@ -429,19 +545,31 @@ impl DataWriter {
 /// Writes for the holder of the turn to write: straight to the socket, or sealed.
 pub(crate) struct Out<'a> {
     sock: &'a TcpStream,
-    seal: Option<MutexGuard<'a, Sealing>>,
+    seal: OutSeal<'a>,
+}
+
+enum OutSeal<'a> {
+    Plain,
+    User(MutexGuard<'a, Sealing>),
+    Kernel(MutexGuard<'a, KernelTx>),
 }
 
 impl Out<'_> {
-    /// Bytes already on the wire's terms (sealed before), written as they are.
+    /// Bytes already on the wire's terms (sealed before, or for the kernel to seal), written as
+    /// they are.
     pub(crate) fn write_wire(&mut self, bytes: &[u8]) -> io::Result<()> {
-        let r = self.sock.write_all(bytes);
-        if r.is_err()
-            && let Some(s) = &mut self.seal
-        {
-            s.sealer.break_off();
+        match &mut self.seal {
+            OutSeal::Kernel(tx) => tx.write_all(self.sock, bytes),
+            seal => {
+                let r = self.sock.write_all(bytes);
+                if r.is_err()
+                    && let OutSeal::User(s) = seal
+                {
+                    s.sealer.break_off();
+                }
+                r
+            }
         }
-        r
     }
 }
 
@@ -452,8 +580,9 @@ impl Write for Out<'_> {
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match &mut self.seal {
-            None => self.sock.write_vectored(bufs),
-            Some(s) => s.write_vectored(self.sock, bufs),
+            OutSeal::Plain => self.sock.write_vectored(bufs),
+            OutSeal::User(s) => s.write_vectored(self.sock, bufs),
+            OutSeal::Kernel(tx) => tx.write_vectored(self.sock, bufs),
         }
     }
 
@@ -496,8 +625,9 @@ mod tests {
         (c, accepted.join().unwrap())
     }
 
+    /// Both ends with records sealed in userspace.
     fn tls_pair() -> (Box<TlsStream>, Box<TlsStream>) {
-        let t = tls();
+        let t = tls().userspace_records();
         match pair(&t, &t) {
             (Ok(DataStream::Tls(c)), Ok(DataStream::Tls(s))) => (c, s),
             _ => panic!("tls handshake failed"),
@@ -514,6 +644,15 @@ mod tests {
                 x as u8
             })
             .collect()
+    }
+
+    /// Key updates the writer's sealer made.
+    fn sealer_updates(w: &DataWriter) -> u64 {
+        match &w.seal {
+            Seal::Plain => 0,
+            Seal::User(m) => locked(m).sealer.updates,
+            Seal::Kernel(m) => locked(m).updates,
+        }
     }
 
     fn record_error(e: &io::Error) -> Option<RecordError> {
@@ -535,8 +674,7 @@ mod tests {
                 got.chunks_mut(40_000).map(IoSliceMut::new).collect();
             super::super::io::read_exact_vectored(&mut r, &mut bufs).unwrap();
             w.lock().write_all(&got).unwrap();
-            let updates = w.seal.as_ref().unwrap().lock().unwrap().sealer.updates;
-            (got, updates, r)
+            (got, sealer_updates(&w), r)
         });
         let (w, mut r) = DataStream::Tls(c).split().unwrap();
         let halves: Vec<IoSlice<'_>> = data.chunks(100_000).map(IoSlice::new).collect();
@@ -545,7 +683,7 @@ mod tests {
         r.read_exact(&mut back).unwrap();
         let (got, server_updates, _r) = echo.join().unwrap();
         assert!(got == data && back == data, "every byte, both ways");
-        let client_updates = w.seal.as_ref().unwrap().lock().unwrap().sealer.updates;
+        let client_updates = sealer_updates(&w);
         // 3 MiB = 192 records: an update every 5.
         assert!(
             client_updates >= 30 && server_updates >= 30,
@@ -713,7 +851,7 @@ mod tests {
     /// certificate asked: the records are what is tried here): our records cross both ways
     /// under it, through its KeyUpdate and ours.
     fn through_a_plain_rustls_peer(suite: rustls::SupportedCipherSuite) {
-        let t = tls();
+        let t = tls().userspace_records();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let ours = t.server_config();
@@ -760,8 +898,8 @@ mod tests {
         w.lock().write_all(b"tail").unwrap();
         assert_eq!(r.read(&mut [0u8; 8]).unwrap(), 0, "their close_notify");
         assert!(peer.join().unwrap() == data);
-        let sealer_updates = w.seal.as_ref().unwrap().lock().unwrap().sealer.updates;
-        assert!(sealer_updates >= 9, "{sealer_updates}");
+        let updates = sealer_updates(&w);
+        assert!(updates >= 9, "{updates}");
     }
 
     #[test]
@@ -776,5 +914,132 @@ mod tests {
         ] {
             through_a_plain_rustls_peer(suite);
         }
+    }
+
+    fn kernel_offered() -> bool {
+        matches!(RecordLayer::probe(), RecordLayer::Kernel { .. })
+    }
+
+    /// One connection whose client and server seal in the kernel (where it offers TLS) or in
+    /// userspace, as asked.
+    fn layered_pair(client_kernel: bool, server_kernel: bool) -> (DataStream, DataStream) {
+        let t = tls();
+        let layer = |kernel: bool| {
+            if kernel {
+                t.clone()
+            } else {
+                t.clone().userspace_records()
+            }
+        };
+        let (c, s) = pair(&layer(client_kernel), &layer(server_kernel));
+        let (c, s) = (c.unwrap(), s.unwrap());
+        for (end, kernel) in [(&c, client_kernel), (&s, server_kernel)] {
+            let sealed_by_kernel = matches!(end, DataStream::Kernel(_));
+            assert_eq!(
+                sealed_by_kernel,
+                kernel && kernel_offered(),
+                "the layer asked for"
+            );
+            assert!(!matches!(end, DataStream::Plain(_)));
+        }
+        (c, s)
+    }
+
+    /// Both ends update their sending key every `n` records.
+    fn update_every(end: &mut DataStream, n: u64) {
+        match end {
+            DataStream::Tls(t) => t.seal.sealer.update_after = n,
+            DataStream::Kernel(k) => k.tx.update_after = n,
+            DataStream::Plain(_) => {}
+        }
+    }
+
+    /// 3 MiB from the client, echoed by the server, every byte checked both ways; the key
+    /// updates each side's writer made.
+    fn echo(c: DataStream, s: DataStream) -> io::Result<(u64, u64)> {
+        let data = pattern(3 << 20, 9);
+        let echo = thread::spawn(move || -> io::Result<u64> {
+            let (w, mut r) = s.split()?;
+            let mut got = vec![0u8; 3 << 20];
+            let mut bufs: Vec<IoSliceMut<'_>> =
+                got.chunks_mut(40_000).map(IoSliceMut::new).collect();
+            super::super::io::read_exact_vectored(&mut r, &mut bufs)?;
+            w.lock().write_all(&got)?;
+            w.close_notify();
+            Ok(sealer_updates(&w))
+        });
+        let (w, mut r) = c.split()?;
+        let pieces: Vec<IoSlice<'_>> = data.chunks(100_000).map(IoSlice::new).collect();
+        super::super::io::write_all_vectored(&mut w.lock(), &mut pieces.clone())?;
+        let mut back = Vec::new();
+        r.read_to_end(&mut back)?;
+        let server = echo.join().unwrap()?;
+        assert!(back == data, "every byte, both ways, then close_notify");
+        Ok((sealer_updates(&w), server))
+    }
+
+    /// Kernel TLS where this kernel offers it (the userspace fallback where it does not, which
+    /// the pair must then have got): both ways, against itself and against our userspace
+    /// records, with key updates from both ends and close_notify through the kernel.
+    #[test]
+    fn kernel_records_cross_both_ways_against_either_layer() {
+        let rekey = matches!(RecordLayer::probe(), RecordLayer::Kernel { rekey: true });
+        for (ck, sk) in [(true, true), (true, false), (false, true)] {
+            let (c, s) = layered_pair(ck, sk);
+            let (cu, su) = echo(c, s).unwrap();
+            assert_eq!((cu, su), (0, 0), "no key update asked for");
+            if kernel_offered() && !rekey {
+                continue;
+            }
+            let (mut c, mut s) = layered_pair(ck, sk);
+            update_every(&mut c, 5);
+            update_every(&mut s, 5);
+            let (cu, su) = echo(c, s).unwrap();
+            // 3 MiB = 192 records each way: an update every 5.
+            assert!(cu >= 30 && su >= 30, "{ck}/{sk}: {cu} {su}");
+        }
+    }
+
+    /// Where the kernel opens the records: a flipped bit fails the read with a typed error and
+    /// lands no byte; a replayed record too; a userspace peer's KeyUpdate is taken (or, on a
+    /// kernel without rekey, ends the connection with a typed error).
+    #[test]
+    fn the_kernel_refuses_a_bad_record_and_lands_no_byte() {
+        for at in [0usize, 5, 100, 16_000] {
+            let (c, s) = layered_pair(false, true);
+            let DataStream::Tls(mut c) = c else {
+                panic!("userspace client")
+            };
+            let plain = pattern(16_384, 3);
+            let mut wire = sealed(&mut c, &plain);
+            wire[at] ^= 0x10;
+            (&c.sock).write_all(&wire).unwrap();
+            c.sock.shutdown(Shutdown::Write).unwrap();
+            let (_w, mut r) = s.split().unwrap();
+            let mut dst = vec![0u8; plain.len()];
+            let e = r.read_exact(&mut dst).unwrap_err();
+            assert!(record_error(&e).is_some(), "flip at {at}: {e}");
+            assert!(dst.iter().all(|&b| b == 0), "flip at {at}: a byte landed");
+            assert!(r.read(&mut dst).is_err(), "broken after");
+        }
+        let (c, s) = layered_pair(false, true);
+        let DataStream::Tls(mut c) = c else {
+            panic!("userspace client")
+        };
+        let first = sealed(&mut c, b"first");
+        (&c.sock)
+            .write_all(&[first.clone(), first].concat())
+            .unwrap();
+        let (_w, mut r) = s.split().unwrap();
+        let (mut got, mut dst) = (Vec::new(), [0u8; 10]);
+        let e = loop {
+            match r.read(&mut dst) {
+                Ok(0) => panic!("the replay ended the stream without an error"),
+                Ok(n) => got.extend_from_slice(&dst[..n]),
+                Err(e) => break e,
+            }
+        };
+        assert!(record_error(&e).is_some(), "replay: {e}");
+        assert!(b"first".starts_with(&got), "only the first record's bytes");
     }
 }

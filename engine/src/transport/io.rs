@@ -6,6 +6,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use super::kernel_tls::KernelRx;
 use super::tls_record::Opener;
 
 pub(crate) fn write_all_vectored<W: Write>(
@@ -86,14 +87,20 @@ pub(crate) fn read_body<R: Read>(r: &mut R, len: u64) -> io::Result<Vec<u8>> {
 pub(crate) struct SpinReader<S> {
     socket: S,
     dontwait: bool,
-    /// TLS records are opened here, on the way from the socket to the reader's buffers.
-    opener: Option<Box<Opener>>,
+    records: Records,
+}
+
+/// Who opens the TLS records on the way from the socket to the reader's buffers.
+enum Records {
+    Plain,
+    User(Box<Opener>),
+    Kernel(Box<KernelRx>),
 }
 
 impl<S> std::fmt::Debug for SpinReader<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SpinReader")
-            .field("tls", &self.opener.is_some())
+            .field("tls", &!matches!(self.records, Records::Plain))
             .finish_non_exhaustive()
     }
 }
@@ -103,7 +110,7 @@ impl<S> SpinReader<S> {
         SpinReader {
             socket,
             dontwait: false,
-            opener: None,
+            records: Records::Plain,
         }
     }
 
@@ -111,7 +118,15 @@ impl<S> SpinReader<S> {
         SpinReader {
             socket,
             dontwait: false,
-            opener: Some(Box::new(opener)),
+            records: Records::User(Box::new(opener)),
+        }
+    }
+
+    pub(crate) fn with_kernel(socket: S, rx: KernelRx) -> Self {
+        SpinReader {
+            socket,
+            dontwait: false,
+            records: Records::Kernel(Box::new(rx)),
         }
     }
 
@@ -121,7 +136,11 @@ impl<S> SpinReader<S> {
 
     /// Bytes (or the end) are held here already: a poll of the socket would not see them.
     pub(crate) fn ready(&self) -> bool {
-        self.opener.as_ref().is_some_and(|o| o.ready())
+        match &self.records {
+            Records::Plain => false,
+            Records::User(o) => o.ready(),
+            Records::Kernel(k) => k.ready(),
+        }
     }
 }
 
@@ -137,9 +156,13 @@ impl<S: Read + AsFd> Read for SpinReader<S> {
         } else {
             rustix::net::RecvFlags::empty()
         };
-        if let Some(opener) = &mut self.opener {
-            let socket = &self.socket;
-            return opener.read(bufs, |b| Ok(rustix::net::recv(socket, b, flags)?.0));
+        match &mut self.records {
+            Records::Plain => {}
+            Records::User(opener) => {
+                let socket = &self.socket;
+                return opener.read(bufs, |b| Ok(rustix::net::recv(socket, b, flags)?.0));
+            }
+            Records::Kernel(rx) => return rx.read(self.socket.as_fd(), bufs, flags),
         }
         if self.dontwait {
             let first = bufs.iter_mut().find(|b| !b.is_empty());

@@ -29,12 +29,14 @@ const MAX_CIPHER: usize = MAX_PLAIN + 256;
 /// Raw bytes taken from the socket at once: a few records per system call.
 const RAW_AHEAD: usize = 64 << 10;
 
-const ALERT: u8 = 21;
-const HANDSHAKE: u8 = 22;
-const APPLICATION_DATA: u8 = 23;
+pub(crate) const ALERT: u8 = 21;
+pub(crate) const HANDSHAKE: u8 = 22;
+pub(crate) const APPLICATION_DATA: u8 = 23;
 const NEW_SESSION_TICKET: u8 = 4;
 const KEY_UPDATE: u8 = 24;
-const CLOSE_NOTIFY: u8 = 0;
+pub(crate) const CLOSE_NOTIFY: u8 = 0;
+/// The handshake message KeyUpdate(update_not_requested).
+pub(crate) const KEY_UPDATE_NOT_REQUESTED: [u8; 5] = [KEY_UPDATE, 0, 0, 1, 0];
 
 /// Why a record could not be sealed or opened. Each one ends the connection.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -71,6 +73,13 @@ pub enum RecordError {
     Suite(String),
     #[error("tls connection broken by an earlier error")]
     Broken,
+    #[error(
+        "tls record failed authentication in the kernel (tampered, replayed, reordered or sealed \
+         with another key)"
+    )]
+    KernelAuthentication,
+    #[error("tls record refused by the kernel (errno {errno}: a malformed header or length)")]
+    KernelRecord { errno: i32 },
 }
 
 impl From<RecordError> for io::Error {
@@ -89,7 +98,7 @@ pub(crate) enum Kernel {
 pub(crate) struct Keys {
     kernel: Mutex<Kernel>,
     /// The peer asked us to update our sending key (KeyUpdate with `update_requested`).
-    peer_asked: AtomicBool,
+    pub(crate) peer_asked: AtomicBool,
 }
 
 impl Keys {
@@ -113,7 +122,11 @@ impl Keys {
             .map_or(u64::MAX, |s| s.common.confidentiality_limit / 4 * 3)
     }
 
-    fn next(&self, tx: bool) -> Result<Key, RecordError> {
+    /// The next secret of one direction (sending when `tx`), from sequence 0.
+    pub(crate) fn next_secrets(
+        &self,
+        tx: bool,
+    ) -> Result<(u64, ConnectionTrafficSecrets), RecordError> {
         let mut k = self.kernel.lock().unwrap_or_else(PoisonError::into_inner);
         let next = match (&mut *k, tx) {
             (Kernel::Client(c), true) => c.update_tx_secret(),
@@ -121,7 +134,12 @@ impl Keys {
             (Kernel::Server(s), true) => s.update_tx_secret(),
             (Kernel::Server(s), false) => s.update_rx_secret(),
         };
-        Key::new(next.map_err(|e| RecordError::KeyUpdate(e.to_string()))?)
+        next.map_err(|e| RecordError::KeyUpdate(e.to_string()))
+    }
+
+    fn next(&self, tx: bool) -> Result<Key, RecordError> {
+        let (seq, secrets) = self.next_secrets(tx)?;
+        Key::new(seq, &secrets)
     }
 }
 
@@ -133,8 +151,8 @@ pub(crate) struct Key {
 }
 
 impl Key {
-    pub(crate) fn new((seq, secrets): (u64, ConnectionTrafficSecrets)) -> Result<Key, RecordError> {
-        let (alg, key, iv) = match &secrets {
+    pub(crate) fn new(seq: u64, secrets: &ConnectionTrafficSecrets) -> Result<Key, RecordError> {
+        let (alg, key, iv) = match secrets {
             ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&aead::AES_128_GCM, key, iv),
             ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&aead::AES_256_GCM, key, iv),
             ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => {
@@ -285,7 +303,7 @@ impl Sealer {
         if self.key.seq >= self.update_after || self.keys.peer_asked.swap(false, Ordering::AcqRel) {
             // KeyUpdate(update_not_requested) under the old key, then the new key from 0.
             self.seal_one(HANDSHAKE, out, |out| {
-                out.extend_from_slice(&[KEY_UPDATE, 0, 0, 1, 0])
+                out.extend_from_slice(&KEY_UPDATE_NOT_REQUESTED)
             })?;
             self.key = self.keys.next(true).inspect_err(|_| self.broken = true)?;
             self.updates += 1;
@@ -525,34 +543,92 @@ impl Opener {
     }
 
     /// Post-handshake messages: KeyUpdate moves to the next key (and, when asked, makes our
-    /// sealer update too); session tickets are not kept (the data port never resumes).
-    fn handshake(&mut self, mut msgs: &[u8]) -> Result<(), RecordError> {
-        while !msgs.is_empty() {
-            let [kind, a, b, c, rest @ ..] = msgs else {
-                return Err(RecordError::KeyUpdateMessage);
-            };
-            let len = u32::from_be_bytes([0, *a, *b, *c]) as usize;
-            if rest.len() < len {
-                return Err(RecordError::KeyUpdateMessage);
+    /// sealer update too).
+    fn handshake(&mut self, msgs: &[u8]) -> Result<(), RecordError> {
+        post_handshake(msgs, |requested| {
+            self.key = self.keys.next(false)?;
+            self.updates += 1;
+            if requested {
+                self.keys.peer_asked.store(true, Ordering::Release);
             }
-            let (body, tail) = rest.split_at(len);
-            match *kind {
-                KEY_UPDATE => {
-                    // The next record is under the new key: nothing may follow in this one.
-                    if !tail.is_empty() || body.len() != 1 || body[0] > 1 {
-                        return Err(RecordError::KeyUpdateMessage);
-                    }
-                    self.key = self.keys.next(false)?;
-                    self.updates += 1;
-                    if body[0] == 1 {
-                        self.keys.peer_asked.store(true, Ordering::Release);
-                    }
-                }
-                NEW_SESSION_TICKET => {}
-                kind => return Err(RecordError::Handshake { kind }),
-            }
-            msgs = tail;
-        }
-        Ok(())
+            Ok(())
+        })
     }
+
+    /// Opens every record held (reading the rest of one cut short through `recv_exact`) and
+    /// takes the plaintext: what came behind the handshake, before the kernel opens the rest.
+    /// Returns it and the next record's sequence; a KeyUpdate or close among them is refused.
+    pub(crate) fn drain(
+        &mut self,
+        mut recv_exact: impl FnMut(&mut [u8]) -> io::Result<()>,
+    ) -> io::Result<(Vec<u8>, u64)> {
+        let mut plain = Vec::new();
+        loop {
+            plain.extend_from_slice(&self.raw[self.plain.clone()]);
+            if !self.plain.is_empty() {
+                self.plain = 0..0;
+                self.start = self.record_end;
+            }
+            if self.start == self.end {
+                break;
+            }
+            let updates = self.updates;
+            if self.open_next()? {
+                if self.updates != updates || self.closed {
+                    return Err(RecordError::KeyUpdate(
+                        "a KeyUpdate or close right behind the handshake, before the kernel \
+                         took the records"
+                            .into(),
+                    )
+                    .into());
+                }
+                continue;
+            }
+            // A record cut short: exactly its missing bytes, nothing of the next one.
+            let held = self.end - self.start;
+            let need = if held < HEADER {
+                HEADER - held
+            } else {
+                let len = u16::from_be_bytes([self.raw[self.start + 3], self.raw[self.start + 4]]);
+                HEADER + usize::from(len) - held
+            };
+            if self.raw.len() < self.end + need {
+                self.raw.resize(self.end + need, 0);
+            }
+            recv_exact(&mut self.raw[self.end..self.end + need])?;
+            self.end += need;
+        }
+        Ok((plain, self.key.seq))
+    }
+}
+
+/// Post-handshake messages of one record: `key_update(update_requested)` for each KeyUpdate;
+/// session tickets are not kept (the data port never resumes); any other message is refused.
+pub(crate) fn post_handshake(
+    mut msgs: &[u8],
+    mut key_update: impl FnMut(bool) -> Result<(), RecordError>,
+) -> Result<(), RecordError> {
+    while !msgs.is_empty() {
+        let [kind, a, b, c, rest @ ..] = msgs else {
+            return Err(RecordError::KeyUpdateMessage);
+        };
+        let len = u32::from_be_bytes([0, *a, *b, *c]) as usize;
+        if rest.len() < len {
+            return Err(RecordError::KeyUpdateMessage);
+        }
+        let (body, tail) = rest.split_at(len);
+        match *kind {
+            KEY_UPDATE => {
+                // The next record is under the new key: nothing may follow in this one.
+                if !tail.is_empty() || body.len() != 1 || body[0] > 1 {
+                    return Err(RecordError::KeyUpdateMessage);
+                }
+                key_update(body[0] == 1)?;
+            }
+            NEW_SESSION_TICKET => {}
+            kind => return Err(RecordError::Handshake { kind }),
+        }
+        msgs = tail;
+    }
+    Ok(())
 }
