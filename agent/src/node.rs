@@ -764,12 +764,19 @@ impl Node {
                 agent: segment.agent.clone(),
                 segment: segment.name.clone(),
             })?;
+        // A peer's segment may hold GPU and host regions (the KV cache and the mailbox): GPU
+        // batches go over cuda-ipc, host ones over shm, tcp and rdma serve both; a link is
+        // cached per transport, so each class only ever finds a link that reaches its memory.
         let candidates: Vec<TransportKind> = self
             .config
             .transports
             .iter()
             .copied()
-            .filter(|k| gpu || *k != TransportKind::CudaIpc)
+            .filter(|k| match k {
+                TransportKind::CudaIpc => gpu,
+                TransportKind::Shm => !gpu,
+                _ => true,
+            })
             .collect();
         if let Some(link) = self.cached_link(&agent, &candidates).await {
             return Ok(link);

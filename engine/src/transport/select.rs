@@ -13,7 +13,9 @@ pub enum Preference {
     /// Pick by locality.
     #[default]
     Auto,
-    /// Use exactly this transport or fail.
+    /// Use exactly this transport or fail: it must reach at least one of the peer's regions
+    /// (the caller routes each batch to a connection that reaches its memory; a batch for a
+    /// region it cannot reach gets a typed error).
     Only(TransportKind),
 }
 
@@ -54,11 +56,41 @@ pub struct Local<'a> {
 pub const NO_EXCHANGE: &str = "rdma connections are set up through an exchange with the peer \
      (Engine::connect_with and an RdmaExchange, as the agent's peer API does); none was given";
 
+/// Which of the peer's regions a transport must reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Coverage {
+    /// Every region: the one connection `Auto` picks serves every batch.
+    Every,
+    /// At least one: the caller routes each batch to the connection whose memory it touches
+    /// (the agent: GPU batches over cuda-ipc, host ones over shm, to one peer whose segment
+    /// holds both), and a batch for a region the transport cannot reach gets a typed error.
+    Some,
+}
+
+/// The first region `fits` refuses (Every), or a word when none fits (Some).
+fn uncovered(
+    remote: &SegmentDescriptor,
+    coverage: Coverage,
+    fits: impl Fn(&crate::segment::RegionDesc) -> bool,
+    what: &str,
+) -> Option<String> {
+    match coverage {
+        Coverage::Every => remote
+            .regions
+            .iter()
+            .find(|r| !fits(r))
+            .map(|r| format!("region {} ({}) is not {what}", r.id, r.location)),
+        Coverage::Some => (!remote.regions.is_empty() && !remote.regions.iter().any(fits))
+            .then(|| format!("no region is {what}")),
+    }
+}
+
 /// Why `kind` cannot reach `remote` from `local`, or None when it can.
 fn unavailable(
     kind: TransportKind,
     local: &Local<'_>,
     remote: &SegmentDescriptor,
+    coverage: Coverage,
 ) -> Option<String> {
     let local_node = local.node;
     match kind {
@@ -73,16 +105,12 @@ fn unavailable(
             } else if remote.endpoints.shm.is_none() {
                 Some("peer publishes no shm endpoint".into())
             } else {
-                remote
-                    .regions
-                    .iter()
-                    .find(|r| !r.shareable || !matches!(r.location, Location::Host { .. }))
-                    .map(|r| {
-                        format!(
-                            "region {} ({}) is not a shareable host region",
-                            r.id, r.location
-                        )
-                    })
+                uncovered(
+                    remote,
+                    coverage,
+                    |r| r.shareable && matches!(r.location, Location::Host { .. }),
+                    "a shareable host region",
+                )
             }
         }
         TransportKind::CudaIpc => {
@@ -93,16 +121,12 @@ fn unavailable(
             } else if remote.regions.is_empty() {
                 Some("peer publishes no regions".into())
             } else {
-                remote
-                    .regions
-                    .iter()
-                    .find(|r| !matches!(r.location, Location::Cuda { .. }) || r.ipc.is_none())
-                    .map(|r| {
-                        format!(
-                            "region {} ({}) is not an exported GPU region",
-                            r.id, r.location
-                        )
-                    })
+                uncovered(
+                    remote,
+                    coverage,
+                    |r| matches!(r.location, Location::Cuda { .. }) && r.ipc.is_some(),
+                    "an exported GPU region",
+                )
             }
         }
         TransportKind::Rdma => rdma_unavailable(local, remote),
@@ -147,14 +171,15 @@ pub fn select(
 }
 
 /// The transport for `remote`: `preference`, or by locality — cuda-ipc (same node, GPU regions),
-/// shm (same node, host regions), rdma (devices on both ends), tcp — with the reason.
+/// shm (same node, host regions), rdma (devices on both ends), tcp — with the reason. `Auto`
+/// picks a transport that reaches every region of the peer's.
 pub fn select_for(
     local: &Local<'_>,
     remote: &SegmentDescriptor,
     preference: Preference,
 ) -> Result<Selection> {
     match preference {
-        Preference::Only(kind) => match unavailable(kind, local, remote) {
+        Preference::Only(kind) => match unavailable(kind, local, remote, Coverage::Some) {
             None => Ok(Selection {
                 kind,
                 reason: "requested explicitly".into(),
@@ -166,7 +191,7 @@ pub fn select_for(
             }),
         },
         Preference::Auto => {
-            let no_ipc = match unavailable(TransportKind::CudaIpc, local, remote) {
+            let no_ipc = match unavailable(TransportKind::CudaIpc, local, remote, Coverage::Every) {
                 None => {
                     return Ok(Selection {
                         kind: TransportKind::CudaIpc,
@@ -176,7 +201,7 @@ pub fn select_for(
                 }
                 Some(r) => r,
             };
-            let no_shm = match unavailable(TransportKind::Shm, local, remote) {
+            let no_shm = match unavailable(TransportKind::Shm, local, remote, Coverage::Every) {
                 None => {
                     return Ok(Selection {
                         kind: TransportKind::Shm,
@@ -187,7 +212,7 @@ pub fn select_for(
                 }
                 Some(r) => r,
             };
-            let no_rdma = match unavailable(TransportKind::Rdma, local, remote) {
+            let no_rdma = match unavailable(TransportKind::Rdma, local, remote, Coverage::Every) {
                 None => {
                     return Ok(Selection {
                         kind: TransportKind::Rdma,
@@ -199,7 +224,7 @@ pub fn select_for(
                 }
                 Some(r) => r,
             };
-            match unavailable(TransportKind::Tcp, local, remote) {
+            match unavailable(TransportKind::Tcp, local, remote, Coverage::Every) {
                 None => Ok(Selection {
                     kind: TransportKind::Tcp,
                     reason: format!(
@@ -300,13 +325,58 @@ mod tests {
         // A GPU region without an IPC export cannot go over cuda-ipc.
         let err = select("n1", &gpu_desc("n1", false), "cuda-ipc".parse().unwrap()).unwrap_err();
         assert!(
-            err.to_string().contains("not an exported GPU region") || !cfg!(feature = "cuda"),
+            err.to_string()
+                .contains("no region is an exported GPU region")
+                || !cfg!(feature = "cuda"),
             "{err}"
         );
         // Host regions on the same node stay on shm, and say why not cuda-ipc.
         let s = select("n1", &desc("n1", true, true), Preference::Auto).unwrap();
         assert_eq!(s.kind, TransportKind::Shm);
         assert!(s.reason.contains("cuda-ipc not possible"), "{}", s.reason);
+    }
+
+    /// A segment with GPU and host regions (a worker's KV cache and its mailbox, under one
+    /// agent): `Auto` needs one transport for every region (tcp); a caller that routes by
+    /// memory gets cuda-ipc and shm, each for the regions it reaches.
+    #[test]
+    fn a_segment_of_gpu_and_host_regions_has_a_transport_for_each() {
+        let mut mixed = gpu_desc("n1", true);
+        let host = desc("n1", true, true).regions.remove(0);
+        mixed.regions.push(RegionDesc {
+            id: RegionId(2),
+            ..host
+        });
+        let s = select("n1", &mixed, Preference::Auto).unwrap();
+        assert_eq!(s.kind, TransportKind::Tcp);
+        assert!(
+            s.reason.contains("is not a shareable host region"),
+            "{}",
+            s.reason
+        );
+        let shm = select("n1", &mixed, Preference::Only(TransportKind::Shm)).unwrap();
+        assert_eq!(shm.kind, TransportKind::Shm);
+        let ipc = select("n1", &mixed, Preference::Only(TransportKind::CudaIpc));
+        if cfg!(feature = "cuda") {
+            assert_eq!(ipc.unwrap().kind, TransportKind::CudaIpc);
+        } else {
+            assert!(
+                ipc.unwrap_err()
+                    .to_string()
+                    .contains("feature `cuda` is off")
+            );
+        }
+        // Neither reaches a segment of only the other kind's memory.
+        let err = select(
+            "n1",
+            &gpu_desc("n1", true),
+            Preference::Only(TransportKind::Shm),
+        );
+        assert!(
+            err.unwrap_err()
+                .to_string()
+                .contains("no region is a shareable host region")
+        );
     }
 }
 
