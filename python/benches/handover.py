@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import multiprocessing as mp
 import os
 import platform
+import pstats
 import random
 import secrets
 import shutil
@@ -107,6 +109,7 @@ class Config:
     slots: int
     test_corrupt: bool
     progress: bool
+    profile: str | None = None
 
     @property
     def blocks(self) -> int:
@@ -225,7 +228,15 @@ def prefill_main(cfg: Config, decode: Connection) -> None:
 
 def decode_main(cfg: Config, prefill: Connection, out: Connection) -> None:
     try:
-        out.send(decode_rounds(cfg, prefill))
+        if cfg.profile:
+            # Where the decode process spends the rounds (Python's view; the agent's is its log).
+            prof = cProfile.Profile()
+            result = prof.runcall(decode_rounds, cfg, prefill)
+            with open(cfg.profile, "w") as f:
+                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+            out.send(result)
+        else:
+            out.send(decode_rounds(cfg, prefill))
     except Exception as e:  # noqa: BLE001 - the parent reports it and exits non-zero
         out.send({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
     finally:
@@ -420,6 +431,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--agent-bin", help="the kvfabric binary (default: $KVFABRIC_BIN)")
     ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    ap.add_argument("--profile", help="write the decode process's cProfile (top 40) to this file")
+    ap.add_argument("--agent-log", help="write the agent's log to this file at the end")
     ap.add_argument(
         "--test-corrupt",
         action="store_true",
@@ -467,6 +480,7 @@ def main() -> int:
         slots=16,
         test_corrupt=args.test_corrupt,
         progress=True,
+        profile=args.profile,
     )
     # spawn: each process initialises CUDA itself (a forked CUDA context is unusable).
     ctx = mp.get_context("spawn")
@@ -496,6 +510,8 @@ def main() -> int:
                 proc.kill()
                 proc.join()
         log = agent.log()
+        if args.agent_log:
+            Path(args.agent_log).write_text(log)
         agent.kill()
         shutil.rmtree(agent.socket_dir, ignore_errors=True)
     if "error" in result:
