@@ -90,9 +90,10 @@ pub struct AgentArgs {
     #[arg(long, env = env::TLS_DATA_PORT, default_value_t = true, action = clap::ArgAction::Set)]
     pub tls_data_port: bool,
 
-    /// With TLS on the data port, records sealed by the kernel where it offers TLS (kernel TLS);
-    /// `false` keeps them in userspace. Peers need not agree: the records are the same.
-    #[arg(long, env = env::TLS_KERNEL_RECORDS, default_value_t = true, action = clap::ArgAction::Set)]
+    /// With TLS on the data port, records sealed by the kernel where it offers TLS (kernel TLS;
+    /// not yet run on a kernel with TLS, hence off by default); `false` keeps them in userspace.
+    /// Peers need not agree: the records are the same.
+    #[arg(long, env = env::TLS_KERNEL_RECORDS, default_value_t = false, action = clap::ArgAction::Set)]
     pub tls_kernel_records: bool,
 
     /// Directory with ca.crt (and tls.crt + tls.key for a client certificate).
@@ -479,7 +480,7 @@ impl AgentConfig {
             peer_token: None,
             tls: None,
             tls_data_port: true,
-            tls_kernel_records: true,
+            tls_kernel_records: false,
             socket_dir: socket_dir.into(),
             socket_group: None,
             socket_mode: 0o660,
@@ -826,13 +827,13 @@ mod tests {
         let config = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert!(!config.tls_data_port);
         assert_eq!(config.summary()["tls"]["data_port"], false);
-        // Kernel TLS for the records where offered, unless turned off.
-        assert!(on.tls_kernel_records);
-        assert_eq!(on.summary()["tls"]["kernel_records"], true);
-        flags.extend(["--tls-kernel-records".into(), "false".into()]);
+        // Kernel TLS for the records only when asked for.
+        assert!(!on.tls_kernel_records);
+        assert_eq!(on.summary()["tls"]["kernel_records"], false);
+        flags.extend(["--tls-kernel-records".into(), "true".into()]);
         let config = validate(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
-        assert!(!config.tls_kernel_records);
-        assert_eq!(config.summary()["tls"]["kernel_records"], false);
+        assert!(config.tls_kernel_records);
+        assert_eq!(config.summary()["tls"]["kernel_records"], true);
     }
 
     /// The name of the fabric `validate` makes (the defaults).

@@ -292,10 +292,7 @@ fn engine_config(config: &AgentConfig, observer: Arc<ServedSpans>) -> EngineConf
             .tls
             .as_ref()
             .filter(|_| config.tls_data_port)
-            .map(|t| match config.tls_kernel_records {
-                true => t.data.clone(),
-                false => t.data.clone().userspace_records(),
-            }),
+            .map(|t| t.data.clone().kernel_records(config.tls_kernel_records)),
         batch_timeout: config.batch_timeout,
         max_batch_ops: config.max_batch_ops,
         cuda_path: config.cuda_path,

@@ -109,9 +109,9 @@ pub struct BenchArgs {
     #[arg(long, requires = "through_agent")]
     pub tls: bool,
 
-    /// With --tls: the data port's records sealed by the kernel where it offers TLS (`true`,
-    /// the agents' default) or in userspace (`false`), to compare the two.
-    #[arg(long, requires = "tls", default_value_t = true, action = clap::ArgAction::Set)]
+    /// With --tls: the data port's records sealed by the kernel where it offers TLS (`true`) or
+    /// in userspace (`false`, the agents' default), to compare the two.
+    #[arg(long, requires = "tls", default_value_t = false, action = clap::ArgAction::Set)]
     pub tls_kernel_records: bool,
 
     /// Skip the single-block latency row of the default run.

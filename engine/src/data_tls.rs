@@ -27,7 +27,7 @@ use crate::transport::kernel_tls::RecordLayer;
 #[derive(Clone)]
 pub struct DataTls {
     current: Arc<RwLock<Arc<Configs>>>,
-    /// Records sealed by the kernel where it offers TLS ([`RecordLayer`]).
+    /// Records sealed by the kernel where it offers TLS ([`RecordLayer`]); off by default.
     kernel_records: bool,
 }
 
@@ -121,13 +121,14 @@ impl DataTls {
                 server: Arc::new(server),
                 server_name,
             }))),
-            kernel_records: true,
+            kernel_records: false,
         })
     }
 
-    /// Records sealed and opened in userspace even where the kernel offers TLS.
-    pub fn userspace_records(mut self) -> DataTls {
-        self.kernel_records = false;
+    /// Records sealed and opened by the kernel where it offers TLS (`on`), or always in
+    /// userspace (the default: the kernel path has not run on a kernel with TLS here).
+    pub fn kernel_records(mut self, on: bool) -> DataTls {
+        self.kernel_records = on;
         self
     }
 

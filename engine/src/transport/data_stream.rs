@@ -627,7 +627,7 @@ mod tests {
 
     /// Both ends with records sealed in userspace.
     fn tls_pair() -> (Box<TlsStream>, Box<TlsStream>) {
-        let t = tls().userspace_records();
+        let t = tls();
         match pair(&t, &t) {
             (Ok(DataStream::Tls(c)), Ok(DataStream::Tls(s))) => (c, s),
             _ => panic!("tls handshake failed"),
@@ -851,7 +851,7 @@ mod tests {
     /// certificate asked: the records are what is tried here): our records cross both ways
     /// under it, through its KeyUpdate and ours.
     fn through_a_plain_rustls_peer(suite: rustls::SupportedCipherSuite) {
-        let t = tls().userspace_records();
+        let t = tls();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let ours = t.server_config();
@@ -924,13 +924,7 @@ mod tests {
     /// userspace, as asked.
     fn layered_pair(client_kernel: bool, server_kernel: bool) -> (DataStream, DataStream) {
         let t = tls();
-        let layer = |kernel: bool| {
-            if kernel {
-                t.clone()
-            } else {
-                t.clone().userspace_records()
-            }
-        };
+        let layer = |kernel: bool| t.clone().kernel_records(kernel);
         let (c, s) = pair(&layer(client_kernel), &layer(server_kernel));
         let (c, s) = (c.unwrap(), s.unwrap());
         for (end, kernel) in [(&c, client_kernel), (&s, server_kernel)] {

@@ -2,9 +2,10 @@
 //! the traffic secrets rustls' handshake produced, and the kernel seals records as `sendmsg`
 //! copies the bytes in and opens them as `recvmsg` copies them out (straight into the reader's
 //! buffers: the peer promises no padding) — the work of `tls_record` without its pass over
-//! the bytes. Probed once per process on a loopback pair; [`DataTls::userspace_records`]
-//! keeps the records in userspace where the kernel offers TLS (to compare the two, or to rule
-//! the kernel's TLS out). The agent's log and `kvfabric status` say which layer seals.
+//! the bytes. Probed once per process on a loopback pair, and opt-in
+//! ([`DataTls::kernel_records`]): no machine here has a kernel with TLS (the dev VM's, CI's and
+//! the GPU host's are built without CONFIG_TLS), so this path's tests have not run on one yet.
+//! The agent's log and `kvfabric status` say which layer seals.
 //!
 //! What the kernel leaves to us: a record other than application data (the peer's alert or
 //! KeyUpdate) fails a plain read with EIO and is then taken, with its type, by `recvmsg`; a
@@ -12,7 +13,7 @@
 //! one refuses, and the connection ends with a typed error). A record that fails
 //! authentication fails the read with EBADMSG, and the connection is broken.
 //!
-//! [`DataTls::userspace_records`]: crate::DataTls::userspace_records
+//! [`DataTls::kernel_records`]: crate::DataTls::kernel_records
 
 use std::io::{self, IoSlice, IoSliceMut, Write};
 use std::mem::size_of;
