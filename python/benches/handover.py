@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import cProfile
 import json
+import logging
 import multiprocessing as mp
 import os
 import platform
@@ -259,6 +260,23 @@ def check(
     )
 
 
+class Parts(logging.Handler):
+    """The worker's own account of each pull (its "pulled" log line): the block-table reads,
+    then the hold check, in ms."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.read: list[float] = []
+        self.check: list[float] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("kvfabric: pulled") and len(record.args or ()) >= 6:
+            args = record.args
+            assert isinstance(args, tuple)
+            self.read.append(float(args[4]))
+            self.check.append(float(args[5]))
+
+
 def timed(fn: Callable[[], Any], cfg: Config, sync: Callable[[], None]) -> list[float]:
     for _ in range(cfg.warmup):
         fn()
@@ -277,6 +295,11 @@ def decode_rounds(cfg: Config, prefill: Connection) -> dict[str, Any]:
     dev = torch.device(cfg.device)
     raw = cache(cfg, cfg.decode_blocks, None)
     d = worker(cfg, "d", cfg.decode_blocks)
+    parts = Parts()
+    wlog = logging.getLogger("vllm.kvfabric")
+    wlog.addHandler(parts)
+    wlog.setLevel(logging.INFO)
+    wlog.propagate = False
     try:
         d.register_kv_caches(layer_views(cfg, raw), views=(raw,))
         # The same generator on the same device makes the same bytes the prefill holds.
@@ -314,6 +337,9 @@ def decode_rounds(cfg: Config, prefill: Connection) -> dict[str, Any]:
             check(raw, lid, expected, cfg, r)
             if r >= cfg.warmup:
                 times.append(elapsed)
+            else:
+                parts.read.clear()
+                parts.check.clear()
             if bar is not None:
                 bar.update()
         if bar is not None:
@@ -339,6 +365,7 @@ def decode_rounds(cfg: Config, prefill: Connection) -> dict[str, Any]:
         "kvfabric": times,
         "contiguous": contiguous,
         "gather": gather,
+        "parts_ms": {"read": parts.read, "check": parts.check},
     }
 
 
@@ -393,6 +420,9 @@ def summary(cfg: Config, result: dict[str, Any]) -> dict[str, Any]:
         "warmup": cfg.warmup,
         "verified": True,
         "rows": rows,
+        "parts_p50_ms": {
+            k: statistics.median(v) if v else None for k, v in result["parts_ms"].items()
+        },
     }
 
 
@@ -411,6 +441,14 @@ def print_table(s: dict[str, Any]) -> None:
         print(
             f"| {row['label']} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
             f"{row['gbps_p50']:.1f} | {row['vs_bound']:.2f}x |"
+        )
+    parts = s["parts_p50_ms"]
+    if parts["read"] is not None and parts["check"] is not None:
+        rest = s["rows"]["kvfabric"]["p50_ms"] - parts["read"] - parts["check"]
+        print(
+            f"\nOf the hand-over, p50 (the worker's own account): block-table read "
+            f"{parts['read']:.3f} ms (worker -> agent -> copy -> answer), hold check "
+            f"{parts['check']:.3f} ms, the rest {rest:.3f} ms (plan, submit, completion poll)"
         )
 
 
