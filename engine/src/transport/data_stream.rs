@@ -1009,9 +1009,20 @@ mod tests {
             wire[at] ^= 0x10;
             (&c.sock).write_all(&wire).unwrap();
             c.sock.shutdown(Shutdown::Write).unwrap();
+            let kernel = matches!(s, DataStream::Kernel(_));
             let (_w, mut r) = s.split().unwrap();
             let mut dst = vec![0u8; plain.len()];
-            let e = r.read_exact(&mut dst).unwrap_err();
+            let e = match r.read_exact(&mut dst) {
+                // Linux builds a TLS 1.3 record's additional data with type 23 whatever the
+                // header says, so it passes a flipped outer type byte; what lands is then
+                // still the authenticated plaintext, byte for byte.
+                Ok(()) if kernel && at == 0 => {
+                    assert!(dst == plain, "the outer type flipped: only the sealed bytes");
+                    continue;
+                }
+                Ok(()) => panic!("flip at {at}: the record was taken"),
+                Err(e) => e,
+            };
             assert!(record_error(&e).is_some(), "flip at {at}: {e}");
             assert!(dst.iter().all(|&b| b == 0), "flip at {at}: a byte landed");
             assert!(r.read(&mut dst).is_err(), "broken after");

@@ -1,10 +1,9 @@
 //! Kernel TLS (`setsockopt(TCP_ULP, "tls")`): where the kernel offers it, the data port hands it
 //! the traffic secrets rustls' handshake produced, and the kernel seals records as `sendmsg`
-//! copies the bytes in and opens them as `recvmsg` copies them out (straight into the reader's
-//! buffers: the peer promises no padding) — the work of `tls_record` without its pass over
-//! the bytes. Probed once per process on a loopback pair, and opt-in
-//! ([`DataTls::kernel_records`]): no machine here has a kernel with TLS (the dev VM's, CI's and
-//! the GPU host's are built without CONFIG_TLS), so this path's tests have not run on one yet.
+//! copies the bytes in and opens them as `recvmsg` copies them out — the work of `tls_record`
+//! in the kernel's own copies. Probed once per process on a loopback pair, and opt-in
+//! ([`DataTls::kernel_records`]): the dev VM's, CI's and the GPU host's kernels are built
+//! without CONFIG_TLS; this path's tests ran on Debian's Linux 6.1 in QEMU (docs/agent.md).
 //! The agent's log and `kvfabric status` say which layer seals.
 //!
 //! What the kernel leaves to us: a record other than application data (the peer's alert or
@@ -237,16 +236,10 @@ pub(crate) fn hand_over_tx(sock: &TcpStream, tx: &CryptoInfo) -> io::Result<()> 
 /// Gives the kernel the receiving key (after [`hand_over_tx`], with the socket at a record
 /// boundary). A refusal now ends the connection: the sending key cannot be taken back.
 pub(crate) fn hand_over_rx(sock: &TcpStream, rx: &CryptoInfo) -> io::Result<()> {
-    rx.set(sock.as_fd(), libc::TLS_RX)?;
-    // Our peers never pad records: the kernel may then decrypt straight into the reader's
-    // buffers (it retries a record that turns out padded). Older kernels lack the option.
-    let _ = setsockopt(
-        sock.as_fd(),
-        libc::SOL_TLS,
-        libc::TLS_RX_EXPECT_NO_PAD,
-        &1u32,
-    );
-    Ok(())
+    // Not TLS_RX_EXPECT_NO_PAD: with it the kernel decrypts straight into the reader's
+    // buffer, and a record that then fails authentication leaves its bytes there (seen on
+    // Linux 6.1); without it a tampered record lands no byte, as in userspace.
+    rx.set(sock.as_fd(), libc::TLS_RX)
 }
 
 /// The kernel's word on a record it refused, as the userspace layer would say it.
