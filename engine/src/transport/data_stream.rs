@@ -1017,7 +1017,10 @@ mod tests {
                 // header says, so it passes a flipped outer type byte; what lands is then
                 // still the authenticated plaintext, byte for byte.
                 Ok(()) if kernel && at == 0 => {
-                    assert!(dst == plain, "the outer type flipped: only the sealed bytes");
+                    assert!(
+                        dst == plain,
+                        "the outer type flipped: only the sealed bytes"
+                    );
                     continue;
                 }
                 Ok(()) => panic!("flip at {at}: the record was taken"),
