@@ -1046,6 +1046,7 @@ mod tests {
             name: name.into(),
             key: kvfabric_engine::AccessKey(7),
             regions: Vec::new(),
+            fabric_access: false,
         })
     }
 

@@ -202,7 +202,10 @@ impl LocalAgent for LocalApi {
                 }
             });
         }
-        let registered = self.node.register(&req.name, sources, req.key).await?;
+        let registered = self
+            .node
+            .register(&req.name, sources, req.key, req.fabric_access)
+            .await?;
         let segment = &registered.segment;
         if let Some(connection) = connection.filter(|_| !req.detached) {
             let (node, owned) = (self.node.clone(), segment.clone());

@@ -1,6 +1,7 @@
 //! The agent's state: its engine, the segments its workers registered, and its data connections
 //! to other agents (opened through their peer API, cached, re-opened after a failure).
 
+use kvfabric_proto::contract::FABRIC_KEY;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::OwnedFd;
@@ -54,6 +55,8 @@ pub struct LocalSegment {
     pub name: String,
     pub key: AccessKey,
     pub regions: Vec<Arc<Region>>,
+    /// Whether agents of the fabric may reach it for their workers with [`FABRIC_KEY`].
+    pub fabric_access: bool,
 }
 
 impl LocalSegment {
@@ -301,7 +304,16 @@ impl Node {
         name: &str,
         sources: Vec<RegionSource>,
         key: u64,
+        fabric_access: bool,
     ) -> Result<Registered> {
+        if fabric_access && self.config.peer_token.is_none() && self.config.tls.is_none() {
+            return Err(Error::invalid(
+                "fabric_access",
+                true,
+                "this agent authenticates no peer (neither a peer token nor mTLS): a segment \
+                 open to the fabric would be open to anyone reaching its peer port",
+            ));
+        }
         let mut memory = Vec::with_capacity(sources.len());
         for (i, source) in sources.into_iter().enumerate() {
             memory.push(match source {
@@ -374,6 +386,7 @@ impl Node {
             name: name.into(),
             key,
             regions,
+            fabric_access,
         });
         let entry = segment.entry(&self.config.name);
         let published = match self.registry.put_segment(entry).await {
@@ -588,10 +601,13 @@ impl Node {
         )
         .await
         .map_err(|_| late("asking the peer agent for the segment's regions", budget))??;
+        let presented = presented_key(t, &link, &remote, &access)?;
         let under_hold = self
-            .admit(t, &link, &remote, &access, &ops, deadline, budget)
+            .admit(
+                t, presented, &link, &remote, &access, &ops, deadline, budget,
+            )
             .await?;
-        let outcome = submit(&link, t, ops, under_hold, deadline).await;
+        let outcome = submit(&link, t, presented, ops, under_hold, deadline).await;
         link.batches.fetch_add(1, Ordering::Relaxed);
         match outcome {
             Ok(done) => Ok(TransferResult {
@@ -662,6 +678,7 @@ impl Node {
     async fn admit(
         &self,
         t: &Transfer,
+        presented: AccessKey,
         link: &Link,
         remote: &SegmentEntry,
         access: &Access,
@@ -671,11 +688,8 @@ impl Node {
     ) -> Result<Option<HeldGrant>> {
         let slot = match access {
             Access::Full => {
-                let wrong = |r: &SegmentRegion| {
-                    link.peer
-                        .region_key(r.id)
-                        .is_some_and(|k| k != AccessKey(t.remote_key))
-                };
+                let wrong =
+                    |r: &SegmentRegion| link.peer.region_key(r.id).is_some_and(|k| k != presented);
                 if remote.regions.iter().any(wrong) {
                     return Err(Error::WrongKey {
                         name: remote.name.clone(),
@@ -938,7 +952,8 @@ impl Node {
             .get(name)
             .cloned()
             .ok_or_else(|| Error::UnknownSegment { name: name.into() })?;
-        let grant = if segment.key == AccessKey(key) {
+        let grant = if segment.key == AccessKey(key) || (segment.fabric_access && key == FABRIC_KEY)
+        {
             None
         } else {
             Some(
@@ -1423,9 +1438,30 @@ fn resolve_regions(
 
 /// The batch on the link's engine peer, in a `kvfabric.transport` span that records what it
 /// moved or why it failed.
+/// The key a batch presents to the segment's engine: the worker's, or for [`FABRIC_KEY`] the
+/// one the segment's owner answered with (it admitted this agent as one of its fabric).
+fn presented_key(
+    t: &Transfer,
+    link: &Link,
+    remote: &SegmentEntry,
+    access: &Access,
+) -> Result<AccessKey> {
+    if t.remote_key != FABRIC_KEY || !matches!(access, Access::Full) {
+        return Ok(AccessKey(t.remote_key));
+    }
+    remote
+        .regions
+        .first()
+        .and_then(|r| link.peer.region_key(r.id))
+        .ok_or_else(|| Error::WrongKey {
+            name: remote.name.clone(),
+        })
+}
+
 async fn submit(
     link: &Link,
     t: &Transfer,
+    presented: AccessKey,
     ops: BatchOps,
     under_hold: Option<HeldGrant>,
     deadline: tokio::time::Instant,
@@ -1450,7 +1486,7 @@ async fn submit(
         // (the worker never sees them); with the segment's key, that key.
         let deadline = match under_hold {
             None => {
-                batch = batch.with_remote_key(AccessKey(t.remote_key));
+                batch = batch.with_remote_key(presented);
                 deadline
             }
             Some(held) => {

@@ -547,6 +547,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
         }],
         key: 0,
         detached: false,
+        fabric_access: false,
     };
     let s = grpc.register_segment(malformed).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
@@ -564,6 +565,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
         }],
         key: 0,
         detached: false,
+        fabric_access: false,
     };
     let s = grpc.register_segment(not_a_uuid).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
@@ -581,6 +583,7 @@ async fn bad_requests_get_typed_statuses_and_the_agent_keeps_serving() {
         }],
         key: 0,
         detached: false,
+        fabric_access: false,
     };
     let s = grpc.register_segment(bogus_token).await.unwrap_err();
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");

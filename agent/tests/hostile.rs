@@ -207,6 +207,7 @@ async fn a_write_sealed_memfd_is_a_failed_precondition_naming_the_seal() {
             }],
             key: 0,
             detached: false,
+            fabric_access: false,
         })
         .await
         .unwrap_err();

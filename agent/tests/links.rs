@@ -276,6 +276,7 @@ async fn a_worker_that_goes_away_leaves_no_segment_behind() {
             }],
             key: 0,
             detached: true,
+            fabric_access: false,
         })
         .await
         .unwrap();
@@ -299,4 +300,105 @@ async fn a_worker_that_goes_away_leaves_no_segment_behind() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A segment registered with `fabric_access` is read and written by workers of other nodes
+/// presenting `FABRIC_KEY`, their agent proving membership with the fabric's token: no key
+/// travels. A segment without it refuses that key, an agent of another token is refused, and
+/// an agent that authenticates no peer refuses to register one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fabric_segment_is_reached_by_membership_and_never_by_a_key_handed_out() {
+    use kvfabric_agent::peer_token::PeerToken;
+    use kvfabric_client::{FABRIC_KEY, Memory, Registration};
+
+    let open = MemoryStore::new();
+    let lone = agent("node-open", &open, |_| {}).await;
+    let m = random(4 * BLOCK, 9);
+    let e = Client::connect(lone.socket_dir())
+        .await
+        .unwrap()
+        .register_with(
+            "nixl-open",
+            &[Memory::Host(&m)],
+            Registration {
+                fabric_access: true,
+                ..Registration::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::InvalidArgument), "{e}");
+    assert!(e.to_string().contains("fabric_access"), "{e}");
+
+    let store = MemoryStore::new();
+    let token = |t: &'static str| {
+        move |c: &mut AgentConfig| c.peer_token = Some(t.parse::<PeerToken>().unwrap())
+    };
+    let a = agent("node-a", &store, token("fabric-token-0123456789")).await;
+    let b = agent("node-b", &store, token("fabric-token-0123456789")).await;
+    let c = agent("node-c", &store, token("another-token-98765432")).await;
+    let owner = Client::connect(a.socket_dir()).await.unwrap();
+    let src = random(16 * BLOCK, 10);
+    let fabric = Registration {
+        fabric_access: true,
+        ..Registration::default()
+    };
+    let shared = owner
+        .register_with("nixl-a", &[Memory::Host(&src)], fabric)
+        .await
+        .unwrap();
+    assert_ne!(shared.key, FABRIC_KEY);
+    let plain_src = random(16 * BLOCK, 11);
+    owner
+        .register("plain-a", &[&plain_src], None)
+        .await
+        .unwrap();
+
+    let reader = Client::connect(b.socket_dir()).await.unwrap();
+    let dst = random(16 * BLOCK, 12);
+    let mine = reader.register("decode-b", &[&dst], None).await.unwrap();
+    let ops = ops(8);
+    reader
+        .read(&mine, "nixl-a", FABRIC_KEY, &ops)
+        .await
+        .unwrap();
+    assert!(
+        pulled(&ops, &src, &dst),
+        "the fabric read landed other bytes"
+    );
+    // A write the other way: block i of decode-b into block n-1-i of nixl-a.
+    let back = random(16 * BLOCK, 13);
+    let theirs = reader.register("decode-b2", &[&back], None).await.unwrap();
+    reader
+        .write(&theirs, "nixl-a", FABRIC_KEY, &ops)
+        .await
+        .unwrap();
+    // SAFETY: the batch completed; nothing is in flight.
+    let (from, to) = unsafe { (back.as_slice(), src.as_slice()) };
+    let pushed = ops.iter().all(|o| {
+        to[o.remote_offset as usize..][..BLOCK as usize]
+            == from[o.local_offset as usize..][..BLOCK as usize]
+    });
+    assert!(pushed, "the fabric write landed other bytes");
+
+    let e = reader
+        .read(&mine, "plain-a", FABRIC_KEY, &ops)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::PermissionDenied), "{e}");
+
+    let stranger = Client::connect(c.socket_dir()).await.unwrap();
+    let theirs = random(16 * BLOCK, 14);
+    let s = stranger
+        .register("decode-c", &[&theirs], None)
+        .await
+        .unwrap();
+    let before = random(16 * BLOCK, 14);
+    let e = stranger
+        .read(&s, "nixl-a", FABRIC_KEY, &ops)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("peer token"), "{e}");
+    // SAFETY: the refused batch left nothing in flight.
+    assert!(unsafe { theirs.as_slice() == before.as_slice() });
 }

@@ -27,6 +27,7 @@ mod memory;
 pub mod trace;
 
 pub use error::{Error, Result};
+pub use kvfabric_proto::contract::FABRIC_KEY;
 pub use kvfabric_proto::pb;
 pub use memory::{CudaRegion, HostMemory, Memory};
 
@@ -60,6 +61,18 @@ pub struct Segment {
     pub name: String,
     pub key: u64,
     pub regions: Vec<pb::RegionInfo>,
+}
+
+/// How a segment is registered ([`Client::register_with`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Registration {
+    /// The key readers must present (None: the agent picks a random one, returned).
+    pub key: Option<u64>,
+    /// Workers of any node of the fabric may read and write it presenting [`FABRIC_KEY`]:
+    /// their agent proves membership to this one (peer token, mTLS) instead of holding a key.
+    /// For descriptors that travel unauthenticated (NIXL's metadata). An agent that
+    /// authenticates no peer refuses it (`InvalidArgument` naming `fabric_access`).
+    pub fabric_access: bool,
 }
 
 /// One block op; regions are indexes in each segment's region list.
@@ -244,6 +257,20 @@ impl Client {
         regions: &[Memory<'_>],
         key: Option<u64>,
     ) -> Result<Segment> {
+        let how = Registration {
+            key,
+            ..Registration::default()
+        };
+        self.register_with(name, regions, how).await
+    }
+
+    /// Like [`Client::register_memory`], saying who may reach the segment.
+    pub async fn register_with(
+        &self,
+        name: &str,
+        regions: &[Memory<'_>],
+        how: Registration,
+    ) -> Result<Segment> {
         let fd_path = self.socket_dir.join(socket::FD);
         let mut specs = Vec::with_capacity(regions.len());
         for m in regions {
@@ -280,8 +307,9 @@ impl Client {
             .register_segment(RegisterSegmentRequest {
                 name: name.into(),
                 regions: specs,
-                key: key.unwrap_or(0),
+                key: how.key.unwrap_or(0),
                 detached: false,
+                fabric_access: how.fabric_access,
             })
             .await
             .map_err(|s| self.rpc_error("RegisterSegment", s))?

@@ -20,8 +20,9 @@ impl fmt::Display for RegionId {
 pub struct AccessKey(pub u64);
 
 impl AccessKey {
+    /// Never 0: agents take a key of 0 to mean "by fabric membership" (kvfabric-agent).
     pub fn random() -> Self {
-        AccessKey(rand::random())
+        AccessKey(rand::random::<std::num::NonZeroU64>().get())
     }
 }
 

@@ -14,6 +14,12 @@ pub struct RegisterSegmentRequest {
     /// until DeregisterSegment or the agent stops.
     #[prost(bool, tag = "4")]
     pub detached: bool,
+    /// True: any agent of this fabric may also read and write the segment for its workers when
+    /// they present key 0, the peer proving membership by the fabric's peer token or mTLS
+    /// certificate, never by a key it was handed (NIXL's metadata, say, travels unauthenticated).
+    /// Refused by an agent that authenticates no peer.
+    #[prost(bool, tag = "5")]
+    pub fabric_access: bool,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
