@@ -1047,6 +1047,7 @@ mod tests {
             key: kvfabric_engine::AccessKey(7),
             regions: Vec::new(),
             fabric_access: false,
+            inbox: Default::default(),
         })
     }
 

@@ -14,6 +14,7 @@ mod error;
 pub mod fd_socket;
 pub mod fd_stash;
 mod holds;
+mod inbox;
 pub mod incoming;
 mod local_api;
 mod message_limit;

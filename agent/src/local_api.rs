@@ -23,8 +23,9 @@ use kvfabric_proto::pb::local_agent_server::LocalAgent;
 use kvfabric_proto::pb::{
     self, CreateHoldRequest, CreateHoldResponse, DeregisterSegmentRequest,
     DeregisterSegmentResponse, EndHoldRequest, EndHoldResponse, ExtendHoldRequest,
-    ExtendHoldResponse, RegionInfo, RegisterSegmentRequest, RegisterSegmentResponse, SegmentEvent,
-    StatusRequest, StatusResponse, SubmitRequest, SubmitResponse, WatchSegmentsRequest,
+    ExtendHoldResponse, NotifyRequest, NotifyResponse, RegionInfo, RegisterSegmentRequest,
+    RegisterSegmentResponse, SegmentEvent, StatusRequest, StatusResponse, SubmitRequest,
+    SubmitResponse, TakeNotificationsRequest, TakeNotificationsResponse, WatchSegmentsRequest,
     region_spec, segment_event,
 };
 use tonic::transport::server::UdsConnectInfo;
@@ -226,6 +227,37 @@ impl LocalAgent for LocalApi {
                     index: i as u32,
                     len: r.len(),
                     location: crate::config::location_name(r.location()),
+                })
+                .collect(),
+        }))
+    }
+
+    async fn notify(
+        &self,
+        request: Request<NotifyRequest>,
+    ) -> Result<Response<NotifyResponse>, Status> {
+        let req = request.into_inner();
+        self.node
+            .notify(&req.segment, req.key, req.sender, req.message)
+            .await?;
+        Ok(Response::new(NotifyResponse {}))
+    }
+
+    async fn take_notifications(
+        &self,
+        request: Request<TakeNotificationsRequest>,
+    ) -> Result<Response<TakeNotificationsResponse>, Status> {
+        let req = request.into_inner();
+        let taken = self
+            .node
+            .take_notifications(&req.segment, req.key, req.max, req.wait_ms)
+            .await?;
+        Ok(Response::new(TakeNotificationsResponse {
+            notifications: taken
+                .into_iter()
+                .map(|n| pb::Notification {
+                    sender: n.sender,
+                    message: n.message,
                 })
                 .collect(),
         }))

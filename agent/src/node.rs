@@ -1,6 +1,7 @@
 //! The agent's state: its engine, the segments its workers registered, and its data connections
 //! to other agents (opened through their peer API, cached, re-opened after a failure).
 
+use crate::inbox::{Inbox, Notification};
 use kvfabric_proto::contract::FABRIC_KEY;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -57,6 +58,16 @@ pub struct LocalSegment {
     pub regions: Vec<Arc<Region>>,
     /// Whether agents of the fabric may reach it for their workers with [`FABRIC_KEY`].
     pub fabric_access: bool,
+    /// Messages for its registrant (LocalAgent.Notify), freed with it.
+    pub inbox: Inbox,
+}
+
+impl LocalSegment {
+    /// Whether `key` may reach the segment: its own, or [`FABRIC_KEY`] when it is open to the
+    /// fabric (the caller is a worker of this node, or an agent the peer API admitted).
+    fn admits(&self, key: u64) -> bool {
+        self.key == AccessKey(key) || (self.fabric_access && key == FABRIC_KEY)
+    }
 }
 
 impl LocalSegment {
@@ -387,6 +398,7 @@ impl Node {
             key,
             regions,
             fabric_access,
+            inbox: Inbox::default(),
         });
         let entry = segment.entry(&self.config.name);
         let published = match self.registry.put_segment(entry).await {
@@ -952,8 +964,7 @@ impl Node {
             .get(name)
             .cloned()
             .ok_or_else(|| Error::UnknownSegment { name: name.into() })?;
-        let grant = if segment.key == AccessKey(key) || (segment.fabric_access && key == FABRIC_KEY)
-        {
+        let grant = if segment.admits(key) {
             None
         } else {
             Some(
@@ -966,6 +977,81 @@ impl Node {
         let mut regions = self.descriptor().regions;
         regions.retain(|r| ids.contains(&r.id));
         Ok((regions, grant))
+    }
+
+    /// Queues `message` from `sender` for segment `name`, registered here, for a caller that
+    /// presents `key` (the peer API's Deliver, and this agent's own workers' Notify).
+    pub fn deliver(&self, name: &str, key: u64, sender: String, message: Vec<u8>) -> Result<()> {
+        check_notification(&sender, &message)?;
+        let segment = self
+            .segments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::UnknownSegment { name: name.into() })?;
+        if !segment.admits(key) {
+            return Err(Error::WrongKey { name: name.into() });
+        }
+        segment.inbox.push(Notification { sender, message })
+    }
+
+    /// Sends `message` to the registrant of segment `name` through the agent serving it.
+    pub async fn notify(
+        &self,
+        name: &str,
+        key: u64,
+        sender: String,
+        message: Vec<u8>,
+    ) -> Result<()> {
+        check_notification(&sender, &message)?;
+        let entry = self
+            .segment_entry(name)
+            .ok_or_else(|| Error::UnknownSegment { name: name.into() })?;
+        if entry.agent == self.config.name {
+            return self.deliver(name, key, sender, message);
+        }
+        let agent = self
+            .agent_entry(&entry.agent)
+            .ok_or_else(|| Error::UnknownAgent {
+                agent: entry.agent.clone(),
+                segment: name.into(),
+            })?;
+        self.caller()
+            .deliver(
+                &agent,
+                name,
+                key,
+                sender,
+                message,
+                self.config.batch_timeout,
+            )
+            .await
+    }
+
+    /// The messages queued for segment `name` (registered here; its own key): up to `max` (0:
+    /// all), waiting up to `wait_ms` for a first one.
+    pub async fn take_notifications(
+        &self,
+        name: &str,
+        key: u64,
+        max: u32,
+        wait_ms: u32,
+    ) -> Result<Vec<Notification>> {
+        use kvfabric_proto::limits::MAX_NOTIFICATION_WAIT_MS;
+        if wait_ms > MAX_NOTIFICATION_WAIT_MS {
+            return Err(Error::invalid(
+                "wait_ms",
+                wait_ms,
+                format!("at most {MAX_NOTIFICATION_WAIT_MS}"),
+            ));
+        }
+        let segment = self.local_segment(name, key)?;
+        let max = usize::try_from(max).unwrap_or(usize::MAX);
+        Ok(segment
+            .inbox
+            .take(max, Duration::from_millis(wait_ms.into()))
+            .await)
     }
 
     /// A segment registered here, for its owner's hold requests: NOT_FOUND naming the agent
@@ -1440,6 +1526,25 @@ fn resolve_regions(
 /// moved or why it failed.
 /// The key a batch presents to the segment's engine: the worker's, or for [`FABRIC_KEY`] the
 /// one the segment's owner answered with (it admitted this agent as one of its fabric).
+fn check_notification(sender: &str, message: &[u8]) -> Result<()> {
+    use kvfabric_proto::limits::{MAX_NAME_LEN, MAX_NOTIFICATION_BYTES};
+    if sender.len() > MAX_NAME_LEN {
+        return Err(Error::invalid(
+            "sender",
+            kvfabric_proto::limits::echo(sender),
+            format!("at most {MAX_NAME_LEN} bytes"),
+        ));
+    }
+    if message.len() > MAX_NOTIFICATION_BYTES {
+        return Err(Error::invalid(
+            "message",
+            format!("{} bytes", message.len()),
+            format!("at most {MAX_NOTIFICATION_BYTES} bytes"),
+        ));
+    }
+    Ok(())
+}
+
 fn presented_key(
     t: &Transfer,
     link: &Link,

@@ -14,8 +14,9 @@ use crate::node::Node;
 use kvfabric_proto::limits::MAX_HOLD_TTL_MS;
 use kvfabric_proto::pb::peer_agent_server::PeerAgent;
 use kvfabric_proto::pb::{
-    HandshakeRequest, HandshakeResponse, RdmaConnectRequest, RdmaConnectResponse,
-    RevokeHoldRequest, RevokeHoldResponse, SegmentAccessRequest, SegmentAccessResponse,
+    DeliverRequest, DeliverResponse, HandshakeRequest, HandshakeResponse, RdmaConnectRequest,
+    RdmaConnectResponse, RevokeHoldRequest, RevokeHoldResponse, SegmentAccessRequest,
+    SegmentAccessResponse,
 };
 
 #[derive(Debug, Clone)]
@@ -88,6 +89,17 @@ impl PeerAgent for PeerApi {
             .revoke_grant(&req.segment, req.hold_key, wait)
             .await?;
         Ok(Response::new(RevokeHoldResponse {}))
+    }
+
+    async fn deliver(
+        &self,
+        request: Request<DeliverRequest>,
+    ) -> Result<Response<DeliverResponse>, Status> {
+        self.admit(&request.get_ref().fabric)?;
+        let req = request.into_inner();
+        self.node
+            .deliver(&req.segment, req.key, req.sender, req.message)?;
+        Ok(Response::new(DeliverResponse {}))
     }
 
     async fn rdma_connect(

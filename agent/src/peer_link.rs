@@ -19,7 +19,7 @@ use crate::registry::AgentEntry;
 use kvfabric_proto::limits::MAX_PEER_RESPONSE_BYTES;
 use kvfabric_proto::pb::peer_agent_client::PeerAgentClient;
 use kvfabric_proto::pb::{
-    HandshakeRequest, RdmaConnectRequest, RevokeHoldRequest, SegmentAccessRequest,
+    DeliverRequest, HandshakeRequest, RdmaConnectRequest, RevokeHoldRequest, SegmentAccessRequest,
 };
 
 fn failure(agent: &AgentEntry, reason: String) -> Error {
@@ -192,6 +192,45 @@ impl Caller {
                     agent,
                     format!("revoke hold: {:?}: {}", s.code(), s.message()),
                 )
+            })?;
+        Ok(())
+    }
+
+    /// Queues a worker's message at `agent` for the registrant of `segment`, within `wait`.
+    pub(crate) async fn deliver(
+        &self,
+        agent: &AgentEntry,
+        segment: &str,
+        key: u64,
+        sender: String,
+        message: Vec<u8>,
+        wait: Duration,
+    ) -> Result<()> {
+        let mut request = self.request(DeliverRequest {
+            fabric: self.fabric.clone(),
+            agent: self.me.clone(),
+            segment: segment.into(),
+            key,
+            sender,
+            message,
+        });
+        request.set_timeout(wait);
+        dial_for(agent, self.timeout.min(wait), wait, self.tls.as_deref())
+            .await?
+            .deliver(request)
+            .await
+            .map_err(|s| match s.code() {
+                Code::PermissionDenied => Error::WrongKey {
+                    name: segment.into(),
+                },
+                Code::ResourceExhausted => Error::Exhausted {
+                    resource: "notifications queued for the segment at its agent",
+                    limit: kvfabric_proto::limits::MAX_QUEUED_NOTIFICATIONS,
+                },
+                Code::NotFound => Error::UnknownSegment {
+                    name: segment.into(),
+                },
+                _ => failure(agent, format!("deliver: {:?}: {}", s.code(), s.message())),
             })?;
         Ok(())
     }

@@ -402,3 +402,115 @@ async fn a_fabric_segment_is_reached_by_membership_and_never_by_a_key_handed_out
     // SAFETY: the refused batch left nothing in flight.
     assert!(unsafe { theirs.as_slice() == before.as_slice() });
 }
+
+/// Notifications (NIXL's): a worker anywhere in the fabric sends a message to a segment's
+/// registrant through the agent that serves it, the receiver never having heard of the
+/// sender; the key rule is the data's, sizes are bounded, and another fabric's agent is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_reaches_the_registrant_of_a_segment_on_another_node() {
+    use kvfabric_agent::peer_token::PeerToken;
+    use kvfabric_client::{FABRIC_KEY, Memory, Notification, Registration};
+
+    let store = MemoryStore::new();
+    let token = |t: &'static str| {
+        move |c: &mut AgentConfig| c.peer_token = Some(t.parse::<PeerToken>().unwrap())
+    };
+    let a = agent("node-a", &store, token("fabric-token-0123456789")).await;
+    let b = agent("node-b", &store, token("fabric-token-0123456789")).await;
+    let c = agent("node-c", &store, token("another-token-98765432")).await;
+    let receiver = Client::connect(a.socket_dir()).await.unwrap();
+    let m = random(BLOCK, 20);
+    let inbox = receiver
+        .register_with(
+            "nixl-a.inbox",
+            &[Memory::Host(&m)],
+            Registration {
+                fabric_access: true,
+                ..Registration::default()
+            },
+        )
+        .await
+        .unwrap();
+    let closed = receiver.register("closed-a", &[&m], None).await.unwrap();
+
+    let sender = Client::connect(b.socket_dir()).await.unwrap();
+    let waiting = tokio::spawn({
+        let (receiver, inbox) = (receiver.clone(), inbox.clone());
+        async move {
+            receiver
+                .take_notifications(&inbox, 0, Duration::from_secs(5))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = Instant::now();
+    sender
+        .notify("nixl-a.inbox", FABRIC_KEY, "nixl-b", b"req-1:done")
+        .await
+        .unwrap();
+    let got = waiting.await.unwrap().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the waiting taker slept on"
+    );
+    assert_eq!(
+        got,
+        vec![Notification {
+            sender: "nixl-b".into(),
+            message: b"req-1:done".to_vec()
+        }]
+    );
+    for i in 0..3u8 {
+        sender
+            .notify("closed-a", closed.key, "nixl-b", &[i])
+            .await
+            .unwrap();
+    }
+    let got = receiver
+        .take_notifications(&closed, 2, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(got.iter().map(|n| n.message[0]).collect::<Vec<_>>(), [0, 1]);
+
+    let e = sender
+        .notify("closed-a", FABRIC_KEY, "nixl-b", b"x")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::PermissionDenied), "{e}");
+    let e = sender
+        .notify("nobody", FABRIC_KEY, "nixl-b", b"x")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::NotFound), "{e}");
+    let big = vec![0u8; kvfabric_proto::limits::MAX_NOTIFICATION_BYTES + 1];
+    let e = sender
+        .notify("nixl-a.inbox", FABRIC_KEY, "nixl-b", &big)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::InvalidArgument), "{e}");
+    assert!(e.to_string().contains("message"), "{e}");
+    let e = receiver
+        .take_notifications(&inbox, 0, Duration::from_secs(11))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("wait_ms"), "{e}");
+
+    let stranger = Client::connect(c.socket_dir()).await.unwrap();
+    let e = stranger
+        .notify("nixl-a.inbox", FABRIC_KEY, "nixl-c", b"x")
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("peer token"), "{e}");
+    let left = receiver
+        .take_notifications(&inbox, 0, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(left.is_empty(), "a stranger's message arrived: {left:?}");
+
+    receiver.deregister(&inbox).await.unwrap();
+    let e = sender
+        .notify("nixl-a.inbox", FABRIC_KEY, "nixl-b", b"late")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::NotFound), "{e}");
+}

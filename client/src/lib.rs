@@ -63,6 +63,13 @@ pub struct Segment {
     pub regions: Vec<pb::RegionInfo>,
 }
 
+/// A message sent to a segment's registrant ([`Client::notify`]), and who said they sent it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    pub sender: String,
+    pub message: Vec<u8>,
+}
+
 /// How a segment is registered ([`Client::register_with`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Registration {
@@ -568,6 +575,60 @@ impl Client {
     /// The raw gRPC client, for calls this wrapper does not cover.
     pub fn grpc(&self) -> LocalAgentClient<Channel> {
         self.grpc.clone()
+    }
+
+    /// Sends `message` (at most 16 KiB) to whoever registered `segment`, anywhere in the
+    /// fabric, presenting `key` (the segment's, or [`FABRIC_KEY`] for one open to the fabric);
+    /// `sender` is what the receiver is told sent it. Returns once it is queued at the
+    /// segment's agent: `ResourceExhausted` when the receiver's queue is full.
+    pub async fn notify(
+        &self,
+        segment: &str,
+        key: u64,
+        sender: &str,
+        message: &[u8],
+    ) -> Result<()> {
+        self.grpc
+            .clone()
+            .notify(pb::NotifyRequest {
+                segment: segment.into(),
+                key,
+                sender: sender.into(),
+                message: message.to_vec(),
+            })
+            .await
+            .map_err(|s| self.rpc_error("Notify", s))?;
+        Ok(())
+    }
+
+    /// The messages sent to `segment` (registered through this agent), oldest first: up to
+    /// `max` (0: all queued), waiting up to `wait` (at most 10 s) for one when none is queued.
+    pub async fn take_notifications(
+        &self,
+        segment: &Segment,
+        max: u32,
+        wait: Duration,
+    ) -> Result<Vec<Notification>> {
+        let reply = self
+            .grpc
+            .clone()
+            .take_notifications(pb::TakeNotificationsRequest {
+                segment: segment.name.clone(),
+                key: segment.key,
+                max,
+                wait_ms: u32::try_from(wait.as_millis()).unwrap_or(u32::MAX),
+            })
+            .await
+            .map_err(|s| self.rpc_error("TakeNotifications", s))?
+            .into_inner();
+        Ok(reply
+            .notifications
+            .into_iter()
+            .map(|n| Notification {
+                sender: n.sender,
+                message: n.message,
+            })
+            .collect())
     }
 
     pub async fn status(&self) -> Result<StatusDoc> {

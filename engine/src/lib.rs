@@ -26,6 +26,7 @@ mod region;
 mod region_id;
 mod region_table;
 mod segment;
+mod share_in_place;
 mod table_manifest;
 pub mod tcp_buffer;
 pub mod transport;
@@ -46,6 +47,7 @@ pub use region::{AccessKey, Location, RawRange, Region, RegionId};
 pub use segment::{
     DESCRIPTOR_VERSION, Endpoints, RdmaKey, RegionDesc, SegmentDescriptor, local_node_id,
 };
+pub use share_in_place::SharedInPlace;
 pub use tcp_buffer::TcpBuffer;
 pub use transport::kernel_tls::RecordLayer;
 pub use transport::select::{Preference, Selection};

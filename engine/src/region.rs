@@ -39,7 +39,7 @@ pub struct Region {
     id: RegionId,
     key: AccessKey,
     location: Location,
-    ptr: NonNull<u8>,
+    pub(crate) ptr: NonNull<u8>,
     len: u64,
     backing: Backing,
     inflight: AtomicUsize,

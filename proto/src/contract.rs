@@ -220,6 +220,11 @@ pub fn registry_root(prefix: &str, namespace: &str, fabric: &str) -> String {
     format!("{}/{namespace}/{fabric}", prefix.trim_end_matches('/'))
 }
 
+/// The remote key a worker presents for a segment registered with `fabric_access`: its agent
+/// proves fabric membership to the owner's (peer token, mTLS) and presents the key the owner
+/// answers with; no worker holds it. No segment has it as its own key.
+pub const FABRIC_KEY: u64 = 0;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,8 +266,3 @@ mod tests {
         assert!(!ab.starts_with(&(registry_root("/k", "ns", "a") + "/")));
     }
 }
-
-/// The remote key a worker presents for a segment registered with `fabric_access`: its agent
-/// proves fabric membership to the owner's (peer token, mTLS) and presents the key the owner
-/// answers with; no worker holds it. No segment has it as its own key.
-pub const FABRIC_KEY: u64 = 0;

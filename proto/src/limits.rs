@@ -63,6 +63,17 @@ pub const MAX_PEER_RESPONSE_BYTES: usize = 16 << 20;
 /// Longest segment or agent name (a DNS subdomain).
 pub const MAX_NAME_LEN: usize = 253;
 
+/// Longest notification message (NIXL's are a request id or two).
+pub const MAX_NOTIFICATION_BYTES: usize = 16 << 10;
+
+/// Most notifications queued for one segment, and the most bytes they take: a receiver that
+/// does not take its messages stops its senders (RESOURCE_EXHAUSTED), not the agent.
+pub const MAX_QUEUED_NOTIFICATIONS: usize = 65_536;
+pub const MAX_QUEUED_NOTIFICATION_BYTES: usize = 64 << 20;
+
+/// Longest a TakeNotifications call waits for a first message.
+pub const MAX_NOTIFICATION_WAIT_MS: u32 = 10_000;
+
 /// Longest prefix of an untrusted value echoed in an error message.
 pub const MAX_ECHO_LEN: usize = 64;
 

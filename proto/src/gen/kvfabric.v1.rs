@@ -181,6 +181,52 @@ pub struct EndHoldRequest {
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct EndHoldResponse {}
 #[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct NotifyRequest {
+    /// The receiver's segment and the key the sender presents for it.
+    #[prost(string, tag = "1")]
+    pub segment: ::prost::alloc::string::String,
+    #[prost(fixed64, tag = "2")]
+    pub key: u64,
+    /// Who the receiver is told sent it (at most 253 bytes; the sender names itself).
+    #[prost(string, tag = "3")]
+    pub sender: ::prost::alloc::string::String,
+    /// At most 16 KiB.
+    #[prost(bytes = "vec", tag = "4")]
+    pub message: ::prost::alloc::vec::Vec<u8>,
+}
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct NotifyResponse {}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct TakeNotificationsRequest {
+    #[prost(string, tag = "1")]
+    pub segment: ::prost::alloc::string::String,
+    #[prost(fixed64, tag = "2")]
+    pub key: u64,
+    /// At most this many (0: all queued).
+    #[prost(uint32, tag = "3")]
+    pub max: u32,
+    /// How long to wait for a first message when none is queued (at most 10 000 ms).
+    #[prost(uint32, tag = "4")]
+    pub wait_ms: u32,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Notification {
+    #[prost(string, tag = "1")]
+    pub sender: ::prost::alloc::string::String,
+    #[prost(bytes = "vec", tag = "2")]
+    pub message: ::prost::alloc::vec::Vec<u8>,
+}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct TakeNotificationsResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub notifications: ::prost::alloc::vec::Vec<Notification>,
+}
+#[allow(clippy::all)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct BlockOp {
     #[prost(uint32, tag = "1")]
@@ -439,6 +485,26 @@ pub struct RevokeHoldRequest {
 #[allow(clippy::all)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct RevokeHoldResponse {}
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct DeliverRequest {
+    #[prost(string, tag = "1")]
+    pub fabric: ::prost::alloc::string::String,
+    /// The calling agent's name.
+    #[prost(string, tag = "2")]
+    pub agent: ::prost::alloc::string::String,
+    #[prost(string, tag = "3")]
+    pub segment: ::prost::alloc::string::String,
+    #[prost(fixed64, tag = "4")]
+    pub key: u64,
+    #[prost(string, tag = "5")]
+    pub sender: ::prost::alloc::string::String,
+    #[prost(bytes = "vec", tag = "6")]
+    pub message: ::prost::alloc::vec::Vec<u8>,
+}
+#[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct DeliverResponse {}
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct RdmaConnectRequest {
@@ -785,6 +851,58 @@ pub mod local_agent_client {
                 .insert(GrpcMethod::new("kvfabric.v1.LocalAgent", "EndHold"));
             self.inner.unary(req, path, codec).await
         }
+        /// Sends a short message to whoever registered a segment, through the agent that serves it
+        /// (NIXL's notifications: the receiver need not know the sender). The caller presents the
+        /// segment's key, or FABRIC_KEY (0) for a segment open to the fabric. Answers once the
+        /// message is queued there; RESOURCE_EXHAUSTED when the receiver's queue is full (it does not
+        /// take its messages), INVALID_ARGUMENT naming the field past the size limits.
+        pub async fn notify(
+            &mut self,
+            request: impl tonic::IntoRequest<super::NotifyRequest>,
+        ) -> std::result::Result<tonic::Response<super::NotifyResponse>, tonic::Status> {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvfabric.v1.LocalAgent/Notify",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvfabric.v1.LocalAgent", "Notify"));
+            self.inner.unary(req, path, codec).await
+        }
+        /// Takes the messages queued for a segment registered with this agent (its own key), oldest
+        /// first, waiting up to wait_ms for one when none is queued.
+        pub async fn take_notifications(
+            &mut self,
+            request: impl tonic::IntoRequest<super::TakeNotificationsRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::TakeNotificationsResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvfabric.v1.LocalAgent/TakeNotifications",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvfabric.v1.LocalAgent", "TakeNotifications"));
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -871,6 +989,24 @@ pub mod local_agent_server {
             &self,
             request: tonic::Request<super::EndHoldRequest>,
         ) -> std::result::Result<tonic::Response<super::EndHoldResponse>, tonic::Status>;
+        /// Sends a short message to whoever registered a segment, through the agent that serves it
+        /// (NIXL's notifications: the receiver need not know the sender). The caller presents the
+        /// segment's key, or FABRIC_KEY (0) for a segment open to the fabric. Answers once the
+        /// message is queued there; RESOURCE_EXHAUSTED when the receiver's queue is full (it does not
+        /// take its messages), INVALID_ARGUMENT naming the field past the size limits.
+        async fn notify(
+            &self,
+            request: tonic::Request<super::NotifyRequest>,
+        ) -> std::result::Result<tonic::Response<super::NotifyResponse>, tonic::Status>;
+        /// Takes the messages queued for a segment registered with this agent (its own key), oldest
+        /// first, waiting up to wait_ms for one when none is queued.
+        async fn take_notifications(
+            &self,
+            request: tonic::Request<super::TakeNotificationsRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::TakeNotificationsResponse>,
+            tonic::Status,
+        >;
     }
     #[derive(Debug)]
     pub struct LocalAgentServer<T> {
@@ -1305,6 +1441,94 @@ pub mod local_agent_server {
                     };
                     Box::pin(fut)
                 }
+                "/kvfabric.v1.LocalAgent/Notify" => {
+                    #[allow(non_camel_case_types)]
+                    struct NotifySvc<T: LocalAgent>(pub Arc<T>);
+                    impl<T: LocalAgent> tonic::server::UnaryService<super::NotifyRequest>
+                    for NotifySvc<T> {
+                        type Response = super::NotifyResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::NotifyRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as LocalAgent>::notify(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = NotifySvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvfabric.v1.LocalAgent/TakeNotifications" => {
+                    #[allow(non_camel_case_types)]
+                    struct TakeNotificationsSvc<T: LocalAgent>(pub Arc<T>);
+                    impl<
+                        T: LocalAgent,
+                    > tonic::server::UnaryService<super::TakeNotificationsRequest>
+                    for TakeNotificationsSvc<T> {
+                        type Response = super::TakeNotificationsResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::TakeNotificationsRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as LocalAgent>::take_notifications(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = TakeNotificationsSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
                 _ => {
                     Box::pin(async move {
                         let mut response = http::Response::new(
@@ -1546,6 +1770,32 @@ pub mod peer_agent_client {
                 .insert(GrpcMethod::new("kvfabric.v1.PeerAgent", "RevokeHold"));
             self.inner.unary(req, path, codec).await
         }
+        /// Queues a worker's message for the segment's registrant (LocalAgent.Notify on the sender's
+        /// node). The same key rule and limits; the queue is the segment's and goes with it.
+        pub async fn deliver(
+            &mut self,
+            request: impl tonic::IntoRequest<super::DeliverRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::DeliverResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvfabric.v1.PeerAgent/Deliver",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("kvfabric.v1.PeerAgent", "Deliver"));
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -1603,6 +1853,12 @@ pub mod peer_agent_server {
             tonic::Response<super::RevokeHoldResponse>,
             tonic::Status,
         >;
+        /// Queues a worker's message for the segment's registrant (LocalAgent.Notify on the sender's
+        /// node). The same key rule and limits; the queue is the segment's and goes with it.
+        async fn deliver(
+            &self,
+            request: tonic::Request<super::DeliverRequest>,
+        ) -> std::result::Result<tonic::Response<super::DeliverResponse>, tonic::Status>;
     }
     #[derive(Debug)]
     pub struct PeerAgentServer<T> {
@@ -1845,6 +2101,49 @@ pub mod peer_agent_server {
                     let inner = self.inner.clone();
                     let fut = async move {
                         let method = RevokeHoldSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvfabric.v1.PeerAgent/Deliver" => {
+                    #[allow(non_camel_case_types)]
+                    struct DeliverSvc<T: PeerAgent>(pub Arc<T>);
+                    impl<T: PeerAgent> tonic::server::UnaryService<super::DeliverRequest>
+                    for DeliverSvc<T> {
+                        type Response = super::DeliverResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::DeliverRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as PeerAgent>::deliver(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = DeliverSvc(inner);
                         let codec = tonic_prost::ProstCodec::default();
                         let mut grpc = tonic::server::Grpc::new(codec)
                             .apply_compression_config(
