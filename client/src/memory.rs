@@ -13,6 +13,24 @@ impl HostMemory {
     pub fn alloc(len: u64) -> Result<HostMemory> {
         Ok(HostMemory(Region::shared_memory(len)?))
     }
+    /// Moves the pages holding `[addr, addr + len)` of this process (memory torch or malloc
+    /// gave, as NIXL's users register) into a memfd at the same addresses, their bytes kept,
+    /// so the agent can map them; `addr` lies at the returned offset. Refused unless the pages
+    /// are private anonymous memory or mappings `movable` accepts (see
+    /// `kvfabric_engine::Region::share_in_place`).
+    ///
+    /// # Safety
+    /// No thread may write those pages while they move, and they must stay mapped while
+    /// transfers may touch them; after a `fork` the child shares them.
+    pub unsafe fn share_in_place(
+        addr: usize,
+        len: u64,
+        movable: &dyn Fn(&kvfabric_engine::Mapping) -> bool,
+    ) -> Result<(HostMemory, u64)> {
+        // SAFETY: forwarded to the caller.
+        let moved = unsafe { Region::share_in_place(addr, len, movable) }?;
+        Ok((HostMemory(moved.region), (addr - moved.start) as u64))
+    }
     pub fn len(&self) -> u64 {
         self.0.len()
     }

@@ -47,7 +47,7 @@ pub use region::{AccessKey, Location, RawRange, Region, RegionId};
 pub use segment::{
     DESCRIPTOR_VERSION, Endpoints, RdmaKey, RegionDesc, SegmentDescriptor, local_node_id,
 };
-pub use share_in_place::SharedInPlace;
+pub use share_in_place::{Mapping, SharedInPlace, mappings_over, page_range};
 pub use tcp_buffer::TcpBuffer;
 pub use transport::kernel_tls::RecordLayer;
 pub use transport::select::{Preference, Selection};
