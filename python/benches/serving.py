@@ -59,7 +59,8 @@ KV_BYTES = 1536 << 20  # per server: 12 prompts of 4096 tokens
 
 def ensure_nixl() -> None:
     try:
-        import nixl  # noqa: F401
+        # nixl._api, not nixl: from the repository root that finds the crate's folder.
+        import nixl._api  # noqa: F401
     except ImportError:
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "nixl==1.5.1",
