@@ -120,7 +120,7 @@ public:
     bool supportsRemote() const override { return true; }
     bool supportsLocal() const override { return false; }
     bool supportsNotif() const override { return true; }
-    nixl_mem_list_t getSupportedMems() const override { return {DRAM_SEG}; }
+    nixl_mem_list_t getSupportedMems() const override { return {DRAM_SEG, VRAM_SEG}; }
 
     nixl_status_t
     registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem, nixlBackendMD *&out) override {
@@ -271,7 +271,7 @@ nixl_b_params_t backend_options() {
 }
 
 nixl_mem_list_t backend_mems() {
-    return {DRAM_SEG};
+    return {DRAM_SEG, VRAM_SEG};
 }
 
 nixlBackendPlugin plugin = {NIXL_PLUGIN_API_VERSION,

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvfabric_client::{
-    Client, FABRIC_KEY, HostMemory, Memory, Notification, Registration, Segment,
+    Client, CudaRegion, FABRIC_KEY, HostMemory, Memory, Notification, Registration, Segment,
 };
 
 use crate::metadata::{self, ConnInfo, PublicData, Span};
@@ -143,14 +143,10 @@ impl Backend {
     /// # Safety
     /// The range is memory of this process that stays mapped while transfers may touch it,
     /// and no thread writes it during the call (its pages move into a memfd).
-    pub unsafe fn register(&self, addr: u64, len: u64, mem: i32) -> Result<Local> {
+    pub unsafe fn register(&self, addr: u64, len: u64, device: u64, mem: i32) -> Result<Local> {
         match mem {
             DRAM => {}
-            VRAM => {
-                return Err(Error::NotSupported {
-                    what: "VRAM registration (CUDA IPC through the plugin)".into(),
-                });
-            }
+            VRAM => return self.register_cuda(addr, len, device),
             other => {
                 return Err(Error::NotSupported {
                     what: format!("memory type {other}"),
@@ -175,18 +171,8 @@ impl Backend {
                 offset: p.offset,
             });
         }
-        let name = {
-            let mut n = self.next_segment.lock().unwrap_or_else(|e| e.into_inner());
-            *n += 1;
-            format!("{}.{}", self.prefix, *n)
-        };
         let regions: Vec<Memory<'_>> = memory.iter().map(|m| Memory::Host(m)).collect();
-        let segment = within(
-            &self.rt,
-            "registering memory",
-            self.client.register_with(&name, &regions, fabric()),
-        )?
-        .map_err(Error::Agent)?;
+        let (name, segment) = self.register_segment(&regions)?;
         Ok(Local {
             public: metadata::to_string(&PublicData::new(&name, pieces.clone())),
             segment,
@@ -195,6 +181,58 @@ impl Backend {
             pieces,
             _memory: memory,
         })
+    }
+
+    /// GPU memory: the agent opens the allocation by its CUDA IPC handle, on the GPU named by
+    /// UUID (whatever numbering the agent's process sees).
+    fn register_cuda(&self, addr: u64, len: u64, device: u64) -> Result<Local> {
+        let device = u32::try_from(device).map_err(|_| Error::Invalid {
+            field: "devId",
+            reason: format!("{device} is not a CUDA device number"),
+        })?;
+        let export = kvfabric_engine::cuda::export(device, addr, len).map_err(Error::Cuda)?;
+        let uuid = kvfabric_engine::cuda::devices()
+            .map_err(Error::Cuda)?
+            .into_iter()
+            .find(|d| d.ordinal == device)
+            .map(|d| d.uuid)
+            .unwrap_or_default();
+        let region = CudaRegion {
+            device,
+            device_uuid: uuid,
+            ipc_handle: export.handle.0.to_vec(),
+            offset: export.offset,
+            len,
+        };
+        let (name, segment) = self.register_segment(&[Memory::Cuda(&region)])?;
+        let pieces = vec![Span {
+            len,
+            region: 0,
+            offset: 0,
+        }];
+        Ok(Local {
+            public: metadata::to_string(&PublicData::new(&name, pieces.clone())),
+            segment,
+            addr,
+            len,
+            pieces,
+            _memory: Vec::new(),
+        })
+    }
+
+    fn register_segment(&self, regions: &[Memory<'_>]) -> Result<(String, Segment)> {
+        let name = {
+            let mut n = self.next_segment.lock().unwrap_or_else(|e| e.into_inner());
+            *n += 1;
+            format!("{}.{}", self.prefix, *n)
+        };
+        let segment = within(
+            &self.rt,
+            "registering memory",
+            self.client.register_with(&name, regions, fabric()),
+        )?
+        .map_err(Error::Agent)?;
+        Ok((name, segment))
     }
 
     pub fn deregister(&self, local: &Local) -> Result<()> {

@@ -122,7 +122,7 @@ pub unsafe extern "C" fn kvf_register(
     backend: *mut c_void,
     addr: u64,
     len: u64,
-    _dev: u64,
+    dev: u64,
     mem: c_int,
     out: *mut *mut c_void,
 ) -> c_int {
@@ -130,7 +130,7 @@ pub unsafe extern "C" fn kvf_register(
         // SAFETY: the caller's contract.
         let b = unsafe { &*backend.cast::<Backend>() };
         // SAFETY: the caller's contract.
-        let local = unsafe { b.register(addr, len, mem) }?;
+        let local = unsafe { b.register(addr, len, dev, mem) }?;
         let md = Box::new(Md::Local(Arc::new(local)));
         // SAFETY: the caller's contract.
         unsafe { *out = Box::into_raw(md).cast() };

@@ -44,6 +44,10 @@ pub enum Error {
 
     #[error("{context}: no answer from the agent within {seconds} s")]
     Late { context: &'static str, seconds: u64 },
+
+    /// GPU memory this process could not export (no driver, not device memory, ...).
+    #[error("GPU memory: {0}")]
+    Cuda(kvfabric_engine::Error),
 }
 
 impl Error {
@@ -55,6 +59,10 @@ impl Error {
             Error::UnknownPeer { .. } => Status::NotFound,
             Error::Running => Status::RepostActive,
             Error::Late { .. } => Status::Backend,
+            Error::Cuda(e) => match e.kind() {
+                kvfabric_engine::ErrorKind::InvalidConfig => Status::InvalidParam,
+                _ => Status::Backend,
+            },
             Error::Agent(source) => match source.code() {
                 Some(Code::NotFound) => Status::NotFound,
                 Some(Code::PermissionDenied | Code::Unauthenticated) => Status::NotAllowed,

@@ -164,6 +164,9 @@ mod stub {
     pub fn copy_to_host(_region: &Region, _offset: u64, _out: &mut [u8]) -> Result<()> {
         off()
     }
+    pub fn export(_device: u32, _ptr: u64, _len: u64) -> Result<super::CudaExport> {
+        off()
+    }
     pub fn copy_from_host(_region: &Region, _offset: u64, _data: &[u8]) -> Result<()> {
         off()
     }

@@ -132,6 +132,21 @@ pub(crate) fn alloc_region(id: RegionId, device: u32, len: u64) -> Result<Region
 }
 
 pub(crate) fn register_region(id: RegionId, device: u32, ptr: u64, len: u64) -> Result<Region> {
+    let export = checked_export(device, ptr, len)?.ok();
+    Region::cuda(id, device, ptr, len, export, None)
+}
+
+/// What another process opens to reach `ptr..ptr+len` of this one's device memory: the CUDA
+/// IPC handle of the allocation holding it, and the range's offset in that allocation. The
+/// range must lie in one allocation on `device` (how NIXL's users and PyTorch's caching
+/// allocator hand over memory: a pointer inside a larger block).
+pub fn export(device: u32, ptr: u64, len: u64) -> Result<CudaExport> {
+    checked_export(device, ptr, len)?
+}
+
+/// The range checked as memory of `device` inside one allocation (Err), then its export
+/// (inner Err: the driver would not export it, e.g. memory from cuMemCreate).
+fn checked_export(device: u32, ptr: u64, len: u64) -> Result<Result<CudaExport>> {
     let dev = driver::device(device)?;
     dev.bind()?;
     let not_ours = |reason: &'static str| Error::InvalidConfig {
@@ -162,11 +177,10 @@ pub(crate) fn register_region(id: RegionId, device: u32, ptr: u64, len: u64) -> 
             reason: "extends past the end of the CUDA allocation",
         });
     }
-    let export = driver::ipc_handle(dev, base).ok().map(|handle| CudaExport {
+    Ok(driver::ipc_handle(dev, base).map(|handle| CudaExport {
         handle,
         offset: ptr - base,
-    });
-    Region::cuda(id, device, ptr, len, export, None)
+    }))
 }
 
 /// Maps another process's allocation (CUDA IPC) and wraps `export.offset..+len` of it. The
