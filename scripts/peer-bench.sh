@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # kvfabric next to its real peers on exactly the same work: NIXL (UCX backend), Mooncake Transfer
 # Engine and DLSlime, each driven through its own Python API (bench/peers), over loopback tcp,
-# two network namespaces joined by veth, and same-node shared memory where a peer has it.
+# two network namespaces joined by veth, and same-node shared memory where a peer has it; and
+# NIXL on kvfabric's backend plugin (nixl-kvfabric: the same NIXL calls, agents started per path),
+# whose column KVFABRIC/UCX compares NIXL's two backends.
 #
 #   scripts/peer-bench.sh [--quick] [--paths loopback,veth,shm] [--blocks 16K,64K,1M]
+#                         [--engines kvfabric,nixl,mooncake,dlslime,nixl-kvfabric]
 #                         [--seconds S] [--out DIR] [path/to/kvfabric]
 #
 # Per path and block size: kvfabric's row (`kvfabric bench --json`, 1 GiB pools, 64 MiB batches
@@ -17,14 +20,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=0 paths=loopback,veth,shm blocks=16K,64K,1M seconds="" out=${OUT:-target/peer-bench} bin=""
+engines=kvfabric,nixl,mooncake,dlslime,nixl-kvfabric
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
     --paths) paths=$2; shift ;;
+    --engines) engines=$2; shift ;;
     --blocks) blocks=$2; shift ;;
     --seconds) seconds=$2; shift ;;
     --out) out=$2; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     -*) echo "peer-bench: unknown option $1" >&2; exit 2 ;;
     *) bin=$1 ;;
   esac
@@ -67,6 +72,12 @@ if [ -z "$bin" ]; then
   fi
 fi
 bin=$(realpath "$bin")
+# NIXL's KVFABRIC backend (the nixl-kvfabric engine: NIXL's own API on kvfabric's agents).
+plugin_dir=${KVFABRIC_NIXL_PLUGIN_DIR:-}
+if [ -z "$plugin_dir" ]; then
+  cargo build --release -p kvfabric-nixl
+  plugin_dir=$PWD/target/release
+fi
 
 # Two hosts on one machine (the logic of shared/tools/netns-pair.sh, with names and a subnet of
 # our own so a run beside other jobs' namespaces does not collide).
@@ -98,6 +109,6 @@ fi
 ulimit -n 65536 2>/dev/null || true
 
 PYTHONPATH=$PWD/bench/peers${PYTHONPATH:+:$PYTHONPATH} "$venv/bin/python" -m peers run \
-  --kvfabric "$bin" --paths "$paths" --blocks "$blocks" --latency --seconds "$seconds" \
+  --kvfabric "$bin" --engines "$engines" --paths "$paths" --blocks "$blocks" --latency --seconds "$seconds" \
   --pool-bytes "$pool" --batch-bytes 64MiB --inflight 4 --netns "$A,$B" --veth-ips "$ipA,$ipB" \
-  --out "$out"
+  --nixl-plugin-dir "$plugin_dir" --out "$out"

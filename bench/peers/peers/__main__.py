@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--veth-ips", type=words, default=["10.79.0.1", "10.79.0.2"])
     run.add_argument("--device", type=int, help="GPU for the ipc and gpu-tcp paths")
     run.add_argument("--out", type=Path, default=Path("target/peer-bench"))
+    run.add_argument(
+        "--nixl-plugin-dir",
+        type=Path,
+        help="directory holding libplugin_KVFABRIC.so (the nixl-kvfabric engine)",
+    )
     _work_args(run)
     a = ap.parse_args(argv)
     try:
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = runner.path_specs(
             a.paths, (a.netns[0], a.netns[1]), (a.veth_ips[0], a.veth_ips[1]), a.device
         )
-        runner.run(a.kvfabric, a.engines, paths, plan, a.out, not a.no_progress)
+        runner.run(a.kvfabric, a.engines, paths, plan, a.out, not a.no_progress, a.nixl_plugin_dir)
         return 0
     except PeerError as e:
         print(f"peers: {e}", file=sys.stderr)

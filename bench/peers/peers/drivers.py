@@ -9,10 +9,12 @@ from types import ModuleType
 
 from .errors import Kind, PeerError
 
-NAMES = ("nixl", "mooncake", "dlslime")
+NAMES = ("nixl", "mooncake", "dlslime", "nixl-kvfabric")
+# Engines that need kvfabric agents on the path (the runner starts them).
+ON_KVFABRIC = ("nixl-kvfabric",)
 
 
 def load(name: str) -> ModuleType:
     if name not in NAMES:
         raise PeerError(Kind.CONFIG, "engine", f"{name!r} is not one of {', '.join(NAMES)}")
-    return importlib.import_module(f".{name}_driver", __package__)
+    return importlib.import_module(f".{name.replace('-', '_')}_driver", __package__)

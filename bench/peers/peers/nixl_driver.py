@@ -54,11 +54,12 @@ def version() -> str:
     return metadata.version("nixl")
 
 
-def _agent(link: Link, role: str) -> Any:
-    os.environ.update(env_for(link))
+def _agent(link: Link, role: str, backend: str) -> Any:
+    if backend == "UCX":
+        os.environ.update(env_for(link))
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(f"kvf-{role}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
+    return nixl_agent(f"kvf-{role}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[backend]))
 
 
 def _mem(pool: HostPool | CudaPool) -> str:
@@ -76,8 +77,10 @@ def _blocks(pool: HostPool | CudaPool, base: int) -> np.ndarray:
 
 
 class Target:
+    backend = "UCX"
+
     def __init__(self, link: Link) -> None:
-        self.agent = _agent(link, "target")
+        self.agent = _agent(link, "target", self.backend)
         self.reg: Any = None
 
     def expose(self, pool: HostPool | CudaPool) -> JsonDict:
@@ -101,8 +104,10 @@ class Target:
 
 
 class Initiator:
+    backend = "UCX"
+
     def __init__(self, link: Link) -> None:
-        self.agent = _agent(link, "initiator")
+        self.agent = _agent(link, "initiator", self.backend)
         self.reg: Any = None
         self.peer = ""
         self.local: Any = None

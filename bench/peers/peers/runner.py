@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from . import table
+from . import fabric, table
+from .drivers import ON_KVFABRIC
 from .errors import Kind, PeerError
 from .work import Shape
 
@@ -334,8 +335,15 @@ class PeerTarget:
         self.control = None
 
 
-def peer_rows(engine: str, path: PathSpec, plan: Plan, progress: bool) -> list[dict[str, Any]]:
-    """One initiator process per row, so an engine that stalls or crashes costs that row only."""
+def peer_rows(
+    engine: str,
+    path: PathSpec,
+    plan: Plan,
+    progress: bool,
+    sides: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+) -> list[dict[str, Any]]:
+    """One initiator process per row, so an engine that stalls or crashes costs that row only.
+    `sides`: more environment for the target and for the initiator."""
     token = secrets.token_hex(16)
     here = str(Path(__file__).resolve().parent.parent)
     env = {
@@ -348,7 +356,7 @@ def peer_rows(engine: str, path: PathSpec, plan: Plan, progress: bool) -> list[d
     link = ["--engine", engine, "--transport", path.transport]
     if path.device is not None:
         link += ["--device", str(path.device)]
-    target = PeerTarget(engine, path, env, me, link)
+    target = PeerTarget(engine, path, {**env, **sides[0]}, me, link)
     rows = []
     try:
         for shape in plan.shapes():
@@ -388,7 +396,7 @@ def peer_rows(engine: str, path: PathSpec, plan: Plan, progress: bool) -> list[d
                 ]
             if not progress:
                 argv.append("--no-progress")
-            child = Proc(_on(path.client_ns, argv), env)
+            child = Proc(_on(path.client_ns, argv), {**env, **sides[1]})
             limit = row_timeout(shape)
             got = child.objects(limit)
             if got:
@@ -404,6 +412,37 @@ def peer_rows(engine: str, path: PathSpec, plan: Plan, progress: bool) -> list[d
     return rows
 
 
+def on_kvfabric_rows(
+    engine: str,
+    binary: str | None,
+    plugin_dir: Path | None,
+    path: PathSpec,
+    plan: Plan,
+    progress: bool,
+) -> list[dict[str, Any]]:
+    """A peer engine's rows on kvfabric agents started for the path (NIXL's KVFABRIC backend)."""
+    why = ""
+    if binary is None:
+        why = "needs --kvfabric (the agent binary)"
+    elif plugin_dir is None or not (plugin_dir / "libplugin_KVFABRIC.so").is_file():
+        why = f"no libplugin_KVFABRIC.so in --nixl-plugin-dir ({plugin_dir})"
+    if why:
+        return [{**_row_base(engine, path, s), "error": why} for s in plan.shapes()]
+    assert binary is not None and plugin_dir is not None
+    try:
+        with fabric.agents(
+            binary,
+            (path.server_ns, path.server_host),
+            (path.client_ns, path.client_host),
+            path.transport,
+        ) as (server_env, client_env):
+            plugin = {"NIXL_PLUGIN_DIR": str(plugin_dir.resolve())}
+            sides = ({**server_env, **plugin}, {**client_env, **plugin})
+            return peer_rows(engine, path, plan, progress, sides)
+    except PeerError as e:
+        return [{**_row_base(engine, path, s), "error": str(e)} for s in plan.shapes()]
+
+
 def run(
     binary: str | None,
     engines: list[str],
@@ -411,6 +450,7 @@ def run(
     plan: Plan,
     out: Path,
     progress: bool,
+    plugin_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -422,6 +462,8 @@ def run(
                     if binary is None:
                         continue
                     got = kvfabric_rows(binary, path, plan)
+                elif engine in ON_KVFABRIC:
+                    got = on_kvfabric_rows(engine, binary, plugin_dir, path, plan, progress)
                 else:
                     got = peer_rows(engine, path, plan, progress)
                 for r in got:

@@ -55,6 +55,10 @@ def render(rows: list[dict[str, Any]]) -> str:
     head = ["path", "op", "block", "kvfabric"]
     for n in engines[1:]:
         head += [n, f"kvf/{n}"]
+    # NIXL on kvfabric's backend against NIXL on its own UCX: the same NIXL calls.
+    backends = "nixl" in engines and "nixl-kvfabric" in engines
+    if backends:
+        head.append("NIXL KVFABRIC/UCX")
     table = [head]
     for key in keys:
         path, op, block, lat = key
@@ -63,13 +67,16 @@ def render(rows: list[dict[str, Any]]) -> str:
         for n in engines[1:]:
             theirs = by.get((*key, n))
             line += [_cell(theirs), _ratio(ours, theirs)]
+        if backends:
+            line.append(_ratio(by.get((*key, "nixl-kvfabric")), by.get((*key, "nixl"))))
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in table]
     out.insert(1, "  ".join("-" * w for w in widths))
     versions = sorted({f"{r['engine']} {r['version']}" for r in rows if r.get("version")})
     notes = [
-        "GB/s (batch p50); one-op rows p50/p99; kvf/peer: GB/s ratio, or p50 ratio for one op",
+        "GB/s (batch p50); one-op rows p50/p99; kvf/peer: GB/s ratio, or p50 ratio for one op"
+        + ("; NIXL KVFABRIC/UCX: the same ratio between NIXL's two backends" if backends else ""),
         "versions: " + "; ".join(versions),
     ]
     failures = [
