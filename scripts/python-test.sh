@@ -22,8 +22,8 @@ strip --strip-debug -o python/kvfabric/nixl/libplugin_KVFABRIC.so target/debug/l
 wheel=$(ls -t target/wheels/kvfabric-*.whl | head -n 1)
 "$py" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$wheel"
 
-"$venv/bin/ruff" check python
-"$venv/bin/ruff" format --check python
+"$venv/bin/ruff" check python bench/peers
+"$venv/bin/ruff" format --check python bench/peers
 
 PYO3_PYTHON=$py cargo test -p kvfabric-python --lib
 
@@ -32,6 +32,9 @@ PYO3_PYTHON=$py cargo test -p kvfabric-python --lib
 # needed on CPU. (Asked of pip: from the repository root `import nixl` finds the crate's folder.)
 "$py" -m pip show -q nixl >/dev/null 2>&1 ||
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps nixl==1.5.1 nixl-cu13==1.5.1
+
+# The peer benchmark's engine-free parts (contents, verification, control channel, table).
+PYTHONPATH=$PWD/bench/peers "$venv/bin/pytest" -q -p no:cacheprovider bench/peers/tests
 
 export KVFABRIC_BIN=$PWD/target/release/kvfabric
 # From the repository root, so the installed package (with its compiled module) is the one

@@ -153,7 +153,7 @@ def test_reads_writes_reposts_and_notifies_between_two_nodes(nodes):
     assert wait_notifs(d, 1) == {"prefill-0": [b"hello"]}
 
 
-def test_a_stranger_a_dead_agent_and_unknown_peers_are_nixl_errors(nodes):
+def test_a_stranger_a_dead_agent_and_unknown_peers_are_nixl_errors(nodes, capfd):
     _, (node_p, node_d, node_x) = nodes
     rng = np.random.default_rng(8)
     p = nixl_agent("prefill-1", node_p)
@@ -194,6 +194,13 @@ def test_a_stranger_a_dead_agent_and_unknown_peers_are_nixl_errors(nodes):
     mapped = np.memmap(path, dtype=np.uint8, mode="w+", shape=(4 * BLOCK,))
     with pytest.raises(Exception, match="NIXL_ERR"):
         register(d, mapped)
+
+    # GPU memory that is not (host memory named VRAM; here no CUDA driver either): the plugin
+    # answers with an error that says why, and the agent keeps serving.
+    capfd.readouterr()
+    with pytest.raises(Exception, match="NIXL_ERR"):
+        d.register_memory(d.get_reg_descs([(dst.ctypes.data, BLOCK, 0, "")], "VRAM"))
+    assert "kvfabric-nixl: registering memory: GPU memory:" in capfd.readouterr().err
 
     # The prefill's node agent dies: the decode's read ends in an error, well before any
     # transfer deadline, and the decode's agent keeps serving.
