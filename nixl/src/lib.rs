@@ -17,6 +17,7 @@
 
 mod backend;
 pub mod ffi;
+mod fork;
 mod metadata;
 mod moved;
 mod request;

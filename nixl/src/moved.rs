@@ -15,9 +15,9 @@ use crate::status::{Error, Result};
 pub const MAX_PIECES: usize = 16;
 
 #[derive(Debug)]
-struct Moved {
-    start: usize,
-    end: usize,
+pub(crate) struct Moved {
+    pub(crate) start: usize,
+    pub(crate) end: usize,
     /// The memfd's inode, as /proc/self/maps names it.
     inode: u64,
     memory: Arc<HostMemory>,
@@ -25,7 +25,7 @@ struct Moved {
 
 impl Moved {
     /// Whether `m` is this memfd where it was mapped.
-    fn maps(&self, m: &Mapping) -> bool {
+    pub(crate) fn maps(&self, m: &Mapping) -> bool {
         m.lo >= self.start && m.hi <= self.end && m.shares(self.inode, (m.lo - self.start) as u64)
     }
 }
@@ -38,13 +38,36 @@ pub struct Piece {
     pub memory: Arc<HostMemory>,
 }
 
-static MOVED: Mutex<Vec<Moved>> = Mutex::new(Vec::new());
+pub(crate) static MOVED: Mutex<Vec<Moved>> = Mutex::new(Vec::new());
 
 fn invalid(reason: String) -> Error {
     Error::Invalid {
         field: "registered descriptor",
         reason,
     }
+}
+
+/// glibc's thread-arena heaps: reservations of this size, at addresses aligned to it.
+const ARENA_HEAP: usize = 64 << 20;
+
+/// Whether `at` lies where malloc keeps many small objects: the brk heap, or a thread arena's
+/// heap (the committed start of a 64 MiB-aligned reservation whose rest is inaccessible).
+/// Moving such pages would share the neighbours' bytes with forked children (whose other fork
+/// handlers may run before `crate::fork`'s and write them); an allocation of its own pages holds
+/// only its bytes and malloc's chunk header.
+fn malloc_heap(p: &Mapping, at: usize) -> bool {
+    let arena = || {
+        mappings_over(p.hi, p.hi + 1).is_ok_and(|next| {
+            next.first().is_some_and(|n| {
+                n.lo == p.hi
+                    && n.perms.starts_with("---")
+                    && n.inode == 0
+                    && n.hi % ARENA_HEAP == 0
+                    && n.hi - ARENA_HEAP <= at
+            })
+        })
+    };
+    p.path == "[heap]" || arena()
 }
 
 /// The memfds holding `[addr, addr + len)`, in order.
@@ -55,6 +78,7 @@ pub unsafe fn pieces_for(addr: u64, len: u64) -> Result<Vec<Piece>> {
     let first = usize::try_from(addr).map_err(|_| invalid(format!("{addr:#x} is no address")))?;
     let (start, end) = page_range(first, len).map_err(invalid)?;
     let maps = mappings_over(start, end).map_err(invalid)?;
+    crate::fork::guard();
     let mut table = MOVED.lock().unwrap_or_else(|e| e.into_inner());
     // Entries whose pages here are no longer theirs, and that no registration holds, go.
     table.retain(|m| {
@@ -72,6 +96,15 @@ pub unsafe fn pieces_for(addr: u64, len: u64) -> Result<Vec<Piece>> {
                 "{:#x}..{:#x} is {} {:?}: only private anonymous memory (malloc, torch's CPU \
                  tensors) is registered; shared or file-backed memory is not",
                 p.lo, p.hi, p.perms, p.path
+            )));
+        }
+        if owner.is_none() && malloc_heap(p, lo) {
+            return Err(invalid(format!(
+                "{first:#x}+{len} lies in malloc's heap ({:#x}..{:#x}), among other objects that \
+                 would become memory shared with every forked child: register memory of its \
+                 own pages (mmap, or an allocation above malloc's mmap threshold, as KV caches \
+                 are)",
+                p.lo, p.hi
             )));
         }
         match runs.last_mut() {
@@ -122,14 +155,40 @@ pub unsafe fn pieces_for(addr: u64, len: u64) -> Result<Vec<Piece>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// `len` bytes of pages of their own (what malloc gives large allocations), never freed.
+    pub(crate) fn own_pages(len: usize) -> &'static mut [u8] {
+        // SAFETY: a fresh private anonymous mapping, leaked for the test's life.
+        unsafe {
+            let p = rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+            .unwrap();
+            std::slice::from_raw_parts_mut(p.cast::<u8>(), len)
+        }
+    }
+
+    #[test]
+    fn heap_memory_is_refused() {
+        let v = vec![1u8; 3000];
+        // SAFETY: refused before any page moves.
+        let e = unsafe { pieces_for(v.as_ptr() as u64, 3000) }.unwrap_err();
+        assert!(e.to_string().contains("malloc's heap"), "{e}");
+    }
 
     #[test]
     fn neighbours_share_the_pages_they_share_and_move_the_rest() {
         let page = rustix::param::page_size();
-        let mut v: Vec<u8> = (0..8 * page).map(|i| (i % 253) as u8).collect();
-        let before = v.clone();
+        let v = own_pages(8 * page);
+        for (i, b) in v.iter_mut().enumerate() {
+            *b = (i % 253) as u8;
+        }
+        let before = v.to_vec();
         let base = (v.as_ptr() as usize).next_multiple_of(page);
         let b = base as u64;
         // SAFETY: nothing else touches `v`, which outlives the moved memory.
@@ -147,7 +206,7 @@ mod tests {
         );
         assert_eq!(n[1].offset, 0);
         assert_eq!(n[0].len + n[1].len, 2 * page as u64);
-        assert_eq!(v, before, "bytes changed when their pages moved");
+        assert_eq!(*v, *before, "bytes changed when their pages moved");
         // Every piece is the process's memory: a write here is seen in the memfd.
         let lead = base - v.as_ptr() as usize;
         v[2 * page + 200 + lead] = 0xab;

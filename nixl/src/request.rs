@@ -143,7 +143,7 @@ impl Request {
         );
         let (opcode, sender) = (self.opcode, backend.agent.clone());
         backend.rt.spawn(async move {
-            let outcome = run(&client, opcode, &batches).await;
+            let outcome = run(&client, opcode, batches).await;
             let outcome = match (outcome, inbox, notification) {
                 (Ok(()), Some(inbox), Some(message)) => client
                     .notify(&inbox, FABRIC_KEY, &sender, &message)
@@ -245,42 +245,46 @@ impl<'a> Cursor<'a> {
     }
 }
 
-async fn run(client: &Client, opcode: Opcode, batches: &[Planned]) -> Result<()> {
+/// Submits every batch at once; the first failure is the request's. One batch (the usual case:
+/// one registration on each side) is awaited here, without a task of its own.
+async fn run(client: &Client, opcode: Opcode, batches: Arc<Vec<Planned>>) -> Result<()> {
+    if let [only] = batches.as_slice() {
+        return submit(client, opcode, only).await;
+    }
     let mut running = tokio::task::JoinSet::new();
-    for b in batches {
-        let (client, local, segment, ops) = (
-            client.clone(),
-            b.local.segment.clone(),
-            b.remote.segment.clone(),
-            b.ops.clone(),
-        );
-        running.spawn(async move {
-            client
-                .submit(
-                    &local,
-                    &segment,
-                    FABRIC_KEY,
-                    opcode,
-                    &ops,
-                    SubmitOptions::default(),
-                )
-                .await
-        });
+    for i in 0..batches.len() {
+        let (client, batches) = (client.clone(), batches.clone());
+        running.spawn(async move { submit(&client, opcode, &batches[i]).await });
     }
     let mut first = None;
     while let Some(done) = running.join_next().await {
-        let outcome = match done {
-            Ok(r) => r.map(|_| ()).map_err(Error::Agent),
-            Err(e) => Err(Error::Invalid {
+        let outcome = done.unwrap_or_else(|e| {
+            Err(Error::Invalid {
                 field: "batch task",
                 reason: e.to_string(),
-            }),
-        };
+            })
+        });
         if let Err(e) = outcome {
             first.get_or_insert(e);
         }
     }
     first.map_or(Ok(()), Err)
+}
+
+async fn submit(client: &Client, opcode: Opcode, b: &Planned) -> Result<()> {
+    let (local, remote) = (&b.local.segment, &b.remote.segment);
+    client
+        .submit(
+            local,
+            remote,
+            FABRIC_KEY,
+            opcode,
+            &b.ops,
+            SubmitOptions::default(),
+        )
+        .await
+        .map(|_| ())
+        .map_err(Error::Agent)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ error, never a hang."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 
@@ -85,8 +86,16 @@ def wait_notifs(agent, count: int) -> dict[str, list[bytes]]:
     return got
 
 
+def own_pages(n: int) -> np.ndarray:
+    """``n`` zero bytes on pages of their own, as large allocations (KV caches) are: memory on
+    malloc's heap, among other objects, is refused."""
+    return np.frombuffer(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+
+
 def rng_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(0, 256, size=n, dtype=np.uint8)
+    out = own_pages(n)
+    out[:] = rng.integers(0, 256, size=n, dtype=np.uint8)
+    return out
 
 
 def test_reads_writes_reposts_and_notifies_between_two_nodes(nodes):
@@ -98,7 +107,7 @@ def test_reads_writes_reposts_and_notifies_between_two_nodes(nodes):
     src_a = rng_bytes(rng, 64 * BLOCK)
     backing = rng_bytes(rng, 32 * BLOCK + 100)
     src_b = backing[100:]
-    dst = np.zeros(96 * BLOCK, dtype=np.uint8)
+    dst = own_pages(96 * BLOCK)
     register(p, src_a, src_b)
     register(d, dst)
     assert d.add_remote_agent(p.get_agent_metadata()) == b"prefill-0"
@@ -164,7 +173,7 @@ def test_a_stranger_a_dead_agent_and_unknown_peers_are_nixl_errors(nodes, capfd)
     # An agent of another fabric (another token) gets NIXL's metadata, which names segments
     # and offsets and no key, and reads nothing with it.
     s = nixl_agent("stranger-1", node_x)
-    theirs = np.zeros(16 * BLOCK, dtype=np.uint8)
+    theirs = own_pages(16 * BLOCK)
     register(s, theirs)
     s.add_remote_agent(meta)
     h = s.initialize_xfer(
@@ -179,7 +188,7 @@ def test_a_stranger_a_dead_agent_and_unknown_peers_are_nixl_errors(nodes, capfd)
 
     # A peer whose metadata was never loaded.
     d = nixl_agent("decode-1", node_d)
-    dst = np.zeros(16 * BLOCK, dtype=np.uint8)
+    dst = own_pages(16 * BLOCK)
     register(d, dst)
     with pytest.raises(Exception, match="NIXL_ERR"):
         d.initialize_xfer(
@@ -247,3 +256,40 @@ def test_python_m_kvfabric_nixl_prints_the_directory_or_says_why_not(tmp_path):
     missing = run({"KVFABRIC_NIXL_PLUGIN_DIR": str(tmp_path)})
     assert missing.returncode == 1 and "no libplugin_KVFABRIC.so" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_a_process_that_registered_memory_forks_safely(nodes, capfd):
+    """Registered pages are shared memory now: a forked child (``preexec_fn``, multiprocessing's
+    fork) must still get its own copy of them. The child writes the buffer and churns its heap;
+    the parent's bytes stay, and both live on. A small buffer on malloc's heap, among other
+    objects that would be shared with children too, is refused, saying why."""
+    import subprocess
+    import sys
+
+    _, (node_p, _, _) = nodes
+    a = nixl_agent("forker-0", node_p)
+    capfd.readouterr()
+    with pytest.raises(Exception, match="NIXL_ERR"):
+        register(a, np.full(1000, 1, dtype=np.uint8))
+    assert "malloc's heap" in capfd.readouterr().err
+    bufs = [own_pages(1000 + i * 5000) for i in range(4)]
+    for i, b in enumerate(bufs):
+        b[:] = i
+    register(a, *bufs)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            junk = [str(i) * 50 for i in range(100_000)]
+            for b in bufs:
+                b[:] = 0xEE
+            os._exit(0 if len(junk) == 100_000 else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    for i, b in enumerate(bufs):
+        assert (b == i).all(), f"the child's write reached the parent's buffer {i}"
+    # What aborted before: a subprocess with preexec_fn forks and runs Python in the child.
+    done = subprocess.run([sys.executable, "-c", "print('ok')"], preexec_fn=lambda: None,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -50,7 +50,12 @@ BACKENDS = ("KVFABRIC", "UCX")
 def nixl_server(name: str, model, root, role: str, backend: str, agent: Agent) -> VllmServer:
     """A vLLM instance with NixlConnector, configured as vLLM's docs configure it on CPU; the
     only kvfabric-specific things are the backend's name and the two environment variables."""
-    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    # NIXL_PLUGIN_DIR replaces NIXL's own plugin directory: the control must not inherit it
+    # (test_nixl.py sets it for this process).
+    env: dict[str, str | None] = {
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "NIXL_PLUGIN_DIR": None,
+    }
     extra = {}
     if backend == "KVFABRIC":
         env |= {"NIXL_PLUGIN_DIR": str(plugin_dir()), "KVFABRIC_SOCKET_DIR": agent.socket_dir}

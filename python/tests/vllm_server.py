@@ -37,7 +37,7 @@ class VllmServer:
         extra_config: dict | None = None,
         prefix_caching: bool = True,
         connector: dict | None = None,
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
         tp: int = 1,
         block_size: int = BLOCK_SIZE,
         kv_bytes: int = 64 << 20,
@@ -47,9 +47,10 @@ class VllmServer:
         """``kv_role`` set: with KVFabricConnector on the agent at ``socket_dir``, or with
         another connector (``connector``: the kv-transfer-config fields that differ, e.g.
         ``{"kv_connector": "NixlConnector", "kv_connector_module_path": None, ...}``).
-        ``env``: more environment. ``tp``: tensor-parallel workers; ``kv_bytes``: the KV
-        cache's size (``--kv-cache-memory-bytes``); ``nice``: how much lower than everything
-        else the server runs (benchmarks: 0, every connector's threads as the engine's)."""
+        ``env``: more environment (None: a variable left out). ``tp``: tensor-parallel workers;
+        ``kv_bytes``: the KV cache's size (``--kv-cache-memory-bytes``); ``nice``: how much lower
+        than everything else the server runs (benchmarks: 0, every connector's threads as the
+        engine's)."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -109,7 +110,11 @@ class VllmServer:
             # Log lines reach the file as they are written: tests and benchmarks read them.
             PYTHONUNBUFFERED="1",
         )
-        env.update(extra_env or {})
+        for k, v in (extra_env or {}).items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
         self.proc = subprocess.Popen(
             args,
             stdout=open(self.log_path, "w"),  # noqa: SIM115
