@@ -322,21 +322,13 @@ pub unsafe extern "C" fn kvf_post(
     })
 }
 
-/// A transfer still running yields the caller's CPU before answering: NIXL's users poll
-/// `checkXfer` in tight loops (UCX makes progress inside the call), while here the bytes move
-/// in the agents' threads, which a spinning caller would starve where cores are few.
-///
 /// # Safety
 /// `req` is live.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvf_check(req: *mut c_void) -> c_int {
     answer("checking a transfer", || {
         // SAFETY: the caller's contract.
-        let status = unsafe { &*req.cast::<Request>() }.check();
-        if status == Status::InProgress {
-            std::thread::yield_now();
-        }
-        Ok(status)
+        Ok(unsafe { &*req.cast::<Request>() }.check())
     })
 }
 
