@@ -44,6 +44,26 @@ pub struct Local {
     _memory: Vec<Arc<HostMemory>>,
 }
 
+impl Local {
+    /// `pieces` of `segment` hold `[addr, addr + len)`; `memory` keeps host regions mapped.
+    fn new(
+        segment: Segment,
+        addr: u64,
+        len: u64,
+        pieces: Vec<Span>,
+        memory: Vec<Arc<HostMemory>>,
+    ) -> Local {
+        Local {
+            public: metadata::to_string(&PublicData::new(&segment.name, pieces.clone())),
+            segment,
+            addr,
+            len,
+            pieces,
+            _memory: memory,
+        }
+    }
+}
+
 /// A peer's registered memory, from its public data.
 #[derive(Debug)]
 pub struct Remote {
@@ -172,15 +192,8 @@ impl Backend {
             });
         }
         let regions: Vec<Memory<'_>> = memory.iter().map(|m| Memory::Host(m)).collect();
-        let (name, segment) = self.register_segment(&regions)?;
-        Ok(Local {
-            public: metadata::to_string(&PublicData::new(&name, pieces.clone())),
-            segment,
-            addr,
-            len,
-            pieces,
-            _memory: memory,
-        })
+        let segment = self.register_segment(&regions)?;
+        Ok(Local::new(segment, addr, len, pieces, memory))
     }
 
     /// GPU memory: the agent opens the allocation by its CUDA IPC handle, on the GPU named by
@@ -204,35 +217,28 @@ impl Backend {
             offset: export.offset,
             len,
         };
-        let (name, segment) = self.register_segment(&[Memory::Cuda(&region)])?;
         let pieces = vec![Span {
             len,
             region: 0,
             offset: 0,
         }];
-        Ok(Local {
-            public: metadata::to_string(&PublicData::new(&name, pieces.clone())),
-            segment,
-            addr,
-            len,
-            pieces,
-            _memory: Vec::new(),
-        })
+        let segment = self.register_segment(&[Memory::Cuda(&region)])?;
+        Ok(Local::new(segment, addr, len, pieces, Vec::new()))
     }
 
-    fn register_segment(&self, regions: &[Memory<'_>]) -> Result<(String, Segment)> {
+    /// Registers `regions` as a new segment open to the fabric.
+    fn register_segment(&self, regions: &[Memory<'_>]) -> Result<Segment> {
         let name = {
             let mut n = self.next_segment.lock().unwrap_or_else(|e| e.into_inner());
             *n += 1;
             format!("{}.{}", self.prefix, *n)
         };
-        let segment = within(
+        within(
             &self.rt,
             "registering memory",
             self.client.register_with(&name, regions, fabric()),
         )?
-        .map_err(Error::Agent)?;
-        Ok((name, segment))
+        .map_err(Error::Agent)
     }
 
     pub fn deregister(&self, local: &Local) -> Result<()> {
