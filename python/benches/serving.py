@@ -49,9 +49,17 @@ from tqdm import tqdm
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "tests"))
-from fabric import Agent, free_port, kvfabric_bin  # noqa: E402
+from fabric import Agent, kvfabric_bin  # noqa: E402
 from tiny_llama import write  # noqa: E402
-from vllm_server import HITS, NICE, VllmServer, prefill, prompt, start  # noqa: E402
+from vllm_server import (  # noqa: E402
+    HITS,
+    NICE,
+    VllmServer,
+    nixl_connector,
+    prefill,
+    prompt,
+    start,
+)
 
 KV_PER_TOKEN = 8 * 8 * 64 * 2 * 4
 KV_BYTES = 1536 << 20  # per server: 12 prompts of 4096 tokens
@@ -81,19 +89,7 @@ def servers(
             )
             continue
         out[side] = VllmServer(
-            f"{name}-{side}",
-            model,
-            root,
-            role,
-            connector={
-                "kv_connector": "NixlConnector",
-                "kv_connector_module_path": None,
-                "kv_buffer_device": "cpu",
-                "kv_connector_extra_config": {},
-            },
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-            kv_bytes=KV_BYTES,
-            nice=nice,
+            f"{name}-{side}", model, root, role, kv_bytes=KV_BYTES, nice=nice, **nixl_connector()
         )
     return out
 

@@ -22,12 +22,13 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 pytest.importorskip("nixl")
 
-from fabric import Agent, Etcd, free_port  # noqa: E402
+from fabric import Agent, Etcd  # noqa: E402
 from tiny_llama import write  # noqa: E402
 from vllm_server import (  # noqa: E402
     BLOCK_SIZE,
     HITS,
     VllmServer,
+    nixl_connector,
     prefill,
     prompt,
     start,
@@ -50,30 +51,19 @@ BACKENDS = ("KVFABRIC", "UCX")
 def nixl_server(name: str, model, root, role: str, backend: str, agent: Agent) -> VllmServer:
     """A vLLM instance with NixlConnector, configured as vLLM's docs configure it on CPU; the
     only kvfabric-specific things are the backend's name and the two environment variables."""
+    args = nixl_connector({"backends": [backend]} if backend == "KVFABRIC" else None)
+    # vLLM's default when a load fails (VllmServer's configuration recomputes otherwise).
+    args["connector"]["kv_load_failure_policy"] = None
     # NIXL_PLUGIN_DIR replaces NIXL's own plugin directory: the control must not inherit it
     # (test_nixl.py sets it for this process).
-    env: dict[str, str | None] = {
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-        "NIXL_PLUGIN_DIR": None,
-    }
-    extra = {}
+    args["env"]["NIXL_PLUGIN_DIR"] = None
     if backend == "KVFABRIC":
-        env |= {"NIXL_PLUGIN_DIR": str(plugin_dir()), "KVFABRIC_SOCKET_DIR": agent.socket_dir}
-        extra = {"backends": [backend]}
+        args["env"] |= {
+            "NIXL_PLUGIN_DIR": str(plugin_dir()),
+            "KVFABRIC_SOCKET_DIR": agent.socket_dir,
+        }
     return VllmServer(
-        name,
-        model,
-        root,
-        role,
-        connector={
-            "kv_connector": "NixlConnector",
-            "kv_connector_module_path": None,
-            "kv_buffer_device": "cpu",
-            "kv_load_failure_policy": None,
-            "kv_connector_extra_config": extra,
-        },
-        env=env,
-        kv_bytes=64 << 20 if role == "kv_producer" else 32 << 20,
+        name, model, root, role, kv_bytes=64 << 20 if role == "kv_producer" else 32 << 20, **args
     )
 
 

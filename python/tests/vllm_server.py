@@ -257,6 +257,20 @@ class VllmServer:
                 self.kill()
 
 
+def nixl_connector(extra_config: dict | None = None) -> dict:
+    """VllmServer's arguments for vLLM's own NixlConnector, as vLLM configures it on CPU (host
+    KV buffer, a side-channel port of its own): ``connector`` and ``env``."""
+    return {
+        "connector": {
+            "kv_connector": "NixlConnector",
+            "kv_connector_module_path": None,
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": extra_config or {},
+        },
+        "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+    }
+
+
 def start(*servers: VllmServer, timeout: float = 600) -> None:
     """Waits until every server (started together: they load at the same time) answers."""
     deadline = time.monotonic() + timeout

@@ -31,7 +31,7 @@ def _free_port(host: str, ns: str | None) -> int:
             return int(s.getsockname()[1])
     code = f"import socket; s = socket.socket(); s.bind(({host!r}, 0)); print(s.getsockname()[1])"
     out = subprocess.run(
-        ["ip", "netns", "exec", ns, "python3", "-c", code],
+        in_namespace(ns, ["python3", "-c", code]),
         capture_output=True,
         text=True,
         timeout=30,
@@ -40,7 +40,8 @@ def _free_port(host: str, ns: str | None) -> int:
     return int(out.stdout.strip())
 
 
-def _on(ns: str | None, argv: list[str]) -> list[str]:
+def in_namespace(ns: str | None, argv: list[str]) -> list[str]:
+    """`argv` run inside network namespace `ns` (None: where we are)."""
     return ["ip", "netns", "exec", ns, *argv] if ns else argv
 
 
@@ -74,11 +75,11 @@ def _etcd(children: _Children, host: str, ns: str | None) -> str:
     argv = [binary, "--data-dir", str(children.root / "etcd"), "--listen-client-urls", url]
     argv += ["--advertise-client-urls", url, "--listen-peer-urls", peer_url]
     argv += ["--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"default={peer_url}"]
-    p = children.start("etcd", _on(ns, argv))
+    p = children.start("etcd", in_namespace(ns, argv))
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         code = f"import socket; socket.create_connection(({host!r}, {client}), 1)"
-        probe = subprocess.run(_on(ns, ["python3", "-c", code]), capture_output=True)
+        probe = subprocess.run(in_namespace(ns, ["python3", "-c", code]), capture_output=True)
         if probe.returncode == 0:
             return url
         if p.poll() is not None:
@@ -96,7 +97,7 @@ def _agent(
     argv = [binary, "agent", "--name", name, "--fabric", "peer-bench"]
     argv += ["--socket-dir", str(sockets), "--grpc-addr", f"{host}:0", "--data-addr", f"{host}:0"]
     argv += ["--metrics-addr", f"{host}:0", "--advertise-addr", host, *extra]
-    p = children.start(name, _on(ns, argv))
+    p = children.start(name, in_namespace(ns, argv))
     assert p.stdout is not None
     ready: list[str] = []
     reader = threading.Thread(target=lambda: ready.append(p.stdout.readline()))

@@ -22,6 +22,7 @@ from typing import IO, Any
 from . import fabric, table
 from .drivers import ON_KVFABRIC
 from .errors import Kind, PeerError
+from .fabric import in_namespace
 from .work import Shape
 
 LATENCY_BLOCK = 4096
@@ -71,10 +72,6 @@ def path_specs(
             raise PeerError(Kind.CONFIG, "paths", f"{n} needs --device (a GPU)")
         out.append(spec)
     return out
-
-
-def _on(ns: str | None, argv: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", ns, *argv] if ns else argv
 
 
 class Proc:
@@ -228,7 +225,8 @@ def kvfabric_rows(binary: str, path: PathSpec, plan: Plan) -> list[dict[str, Any
         if path.device is None
         else ["--location", f"cuda:{path.device}", "--peer-location", f"cuda:{path.device}"]
     )
-    server = Proc(_on(path.server_ns, [binary, "bench", "--serve", f"{path.server_host}:0"]), env)
+    serve = [binary, "bench", "--serve", f"{path.server_host}:0"]
+    server = Proc(in_namespace(path.server_ns, serve), env)
     rows = []
     try:
         announced = server.announcement(60)
@@ -260,7 +258,7 @@ def kvfabric_rows(binary: str, path: PathSpec, plan: Plan) -> list[dict[str, Any
                 str(shape.seconds),
                 *location,
             ]
-            child = Proc(_on(path.client_ns, argv), env)
+            child = Proc(in_namespace(path.client_ns, argv), env)
             got = child.objects(timeout=4 * shape.seconds + 180)
             if got:
                 r = got[-1]
@@ -305,7 +303,7 @@ class PeerTarget:
     def __init__(
         self, engine: str, path: PathSpec, env: dict[str, str], me: list[str], link: list[str]
     ) -> None:
-        self.argv = _on(path.server_ns, [*me, "serve", *link, "--host", path.server_host])
+        self.argv = in_namespace(path.server_ns, [*me, "serve", *link, "--host", path.server_host])
         self.env = env
         self.engine = engine
         self.proc: Proc | None = None
@@ -396,7 +394,7 @@ def peer_rows(
                 ]
             if not progress:
                 argv.append("--no-progress")
-            child = Proc(_on(path.client_ns, argv), {**env, **sides[1]})
+            child = Proc(in_namespace(path.client_ns, argv), {**env, **sides[1]})
             limit = row_timeout(shape)
             got = child.objects(limit)
             if got:
